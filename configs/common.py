@@ -1,0 +1,107 @@
+"""Config conventions shared by every file in `configs/`.
+
+Each config file defines `get_config(arg=None) -> ConfigDict` (big_vision style).
+`arg` is the text after the colon in `--config configs/default.py:smoke,seed=3`;
+`parse_arg` turns it into a ConfigDict of typed options. Configs are returned
+locked: setting a key that does not exist raises an error naming the key, so a
+typo in a sweep or on the command line never passes silently. Sweeps are
+`get_hyper(h)` functions returning a list of override dicts (`h.product`, `h.sweep`
+style, without the dependency: see `product` and `sweep` below).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import itertools
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import ml_collections
+
+ConfigDict = ml_collections.ConfigDict
+
+
+def parse_arg(arg: str | None, **defaults: Any) -> ConfigDict:
+    """Parses `"smoke,seed=3,name=x"` into a ConfigDict over `defaults`.
+
+    A bare word sets a boolean default to True. Values are converted to the type
+    of the default; an option that is not in `defaults` is an error naming it.
+    """
+    out = ConfigDict(dict(defaults))
+    if not arg:
+        return out
+    for item in arg.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        key, eq, raw = item.partition("=")
+        if key not in defaults:
+            raise KeyError(f"unknown config option {key!r}; known: {sorted(defaults)}")
+        if not eq:
+            if not isinstance(defaults[key], bool):
+                raise ValueError(f"config option {key!r} needs a value ({key}=...)")
+            out[key] = True
+            continue
+        out[key] = _convert(raw, defaults[key], key)
+    return out
+
+
+def _convert(raw: str, default: Any, key: str) -> Any:
+    if isinstance(default, bool):
+        if raw.lower() in ("1", "true", "yes"):
+            return True
+        if raw.lower() in ("0", "false", "no"):
+            return False
+        raise ValueError(f"config option {key!r} expects a boolean, got {raw!r}")
+    if isinstance(default, str) or default is None:
+        return raw
+    try:
+        return type(default)(ast.literal_eval(raw))
+    except (ValueError, SyntaxError) as e:
+        raise ValueError(f"config option {key!r} expects {type(default).__name__}, got {raw!r}") from e
+
+
+def lock(config: ConfigDict) -> ConfigDict:
+    """Locks the config so unknown keys raise (ml_collections names the key)."""
+    config.lock()
+    return config
+
+
+def apply_overrides(config: ConfigDict, overrides: dict[str, Any]) -> ConfigDict:
+    """Sets dotted keys (`"rl.lr": 1e-6`); an unknown key raises naming it."""
+    for dotted, value in overrides.items():
+        node = config
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            if p not in node:
+                raise KeyError(f"unknown config key {dotted!r} (no {p!r})")
+            node = node[p]
+        if leaf not in node:
+            raise KeyError(f"unknown config key {dotted!r}")
+        node[leaf] = value
+    return config
+
+
+def load_config(spec: str) -> ConfigDict:
+    """Loads `path/to/file.py[:arg]` by calling its `get_config(arg)`."""
+    path, _, arg = spec.partition(":")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist")
+    name = "config_" + os.path.splitext(os.path.basename(path))[0]
+    spec_ = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(module)
+    return module.get_config(arg or None)
+
+
+def product(*axes: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Cartesian product of sweep axes: each axis a list of override dicts."""
+    return [dict(itertools.chain.from_iterable(d.items() for d in combo))
+            for combo in itertools.product(*axes)]
+
+
+def sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
+    """One sweep axis: `sweep("rl.lr", [1e-6, 3e-6])`."""
+    return [{key: v} for v in values]

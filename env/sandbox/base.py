@@ -1,0 +1,59 @@
+"""The sandbox interface every backend implements.
+
+A sandbox holds one checkout of a task's repository for one episode. All paths
+given to `read_file` / `write_file` are relative to the repository root. Errors
+of the infrastructure (container died, daemon unreachable) raise `SandboxError`:
+callers turn them into the `env_error` status, never into reward 0.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+
+
+class SandboxError(RuntimeError):
+    """The sandbox infrastructure failed; the episode result is not a task outcome."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    exit_code: int  # -1 when the command was killed (timeout) before exiting
+    output: str  # stdout and stderr interleaved, decoded with errors="replace"
+    timed_out: bool = False
+    truncated: bool = False  # output exceeded the cap and was cut
+
+
+class Sandbox(abc.ABC):
+    """One isolated working copy of a repository, for one episode."""
+
+    @abc.abstractmethod
+    def run(self, cmd: str, timeout: float = 60.0) -> ExecResult:
+        """Runs `cmd` with bash in the repository root."""
+
+    @abc.abstractmethod
+    def read_file(self, path: str) -> str:
+        """Reads a text file (relative to the repository root)."""
+
+    @abc.abstractmethod
+    def write_file(self, path: str, content: str) -> None:
+        """Writes a text file, creating parent directories."""
+
+    @abc.abstractmethod
+    def patch(self) -> str:
+        """The `git diff` of the working tree against the task's base commit
+        (binary-safe, including untracked files)."""
+
+    @abc.abstractmethod
+    def apply_patch(self, patch: str) -> None:
+        """Applies a patch produced by `patch()`; raises ValueError if it does not apply."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Releases every resource (processes, containers, files). Idempotent."""
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

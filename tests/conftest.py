@@ -1,0 +1,48 @@
+"""Shared test setup.
+
+Eight fake CPU devices are configured before JAX is imported, so sharding tests run
+on a mesh without special invocation. `REQUIRE_ALL=1` (set by `.ci/run`) turns a
+missing reference (torch/transformers) or a missing Docker engine into a failure:
+in CI nothing skips silently.
+"""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+STRICT = os.environ.get("REQUIRE_ALL", "") == "1"
+
+
+def _missing(what: str, why: str):
+    msg = f"{what} unavailable: {why}"
+    if STRICT:
+        pytest.fail(msg + " (REQUIRE_ALL=1: this must not skip)", pytrace=False)
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="session")
+def torch_ref():
+    """(torch, transformers) modules, or skip/fail when absent."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:
+        _missing("torch/transformers", str(e))
+    torch.manual_seed(0)
+    return torch, transformers
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    """A connected docker SDK client, or skip/fail when no engine answers."""
+    try:
+        import docker
+
+        client = docker.from_env(timeout=30)
+        client.ping()
+    except Exception as e:  # noqa: BLE001 - any failure means no usable engine
+        _missing("Docker engine", repr(e))
+    return client
