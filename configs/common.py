@@ -60,7 +60,8 @@ def _convert(raw: str, default: Any, key: str) -> Any:
     try:
         return type(default)(ast.literal_eval(raw))
     except (ValueError, SyntaxError) as e:
-        raise ValueError(f"config option {key!r} expects {type(default).__name__}, got {raw!r}") from e
+        expected = type(default).__name__
+        raise ValueError(f"config option {key!r} expects {expected}, got {raw!r}") from e
 
 
 def lock(config: ConfigDict) -> ConfigDict:
