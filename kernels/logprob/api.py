@@ -1,0 +1,102 @@
+"""token_logprobs: picks an implementation; the Pallas kernels fall back to chunked XLA."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels.logprob.chunked import token_logprobs_chunked
+from kernels.logprob.reference import token_logprobs_reference
+from kernels.logprob.xla import XlaEngine
+
+IMPLEMENTATIONS = ("reference", "xla", "pallas")
+
+
+def token_logprobs(
+    hidden: jax.Array,
+    lm_head: jax.Array,
+    targets: jax.Array,
+    mask: jax.Array,
+    *,
+    temperature: float = 1.0,
+    implementation: str | None = None,
+    row_block: int | None = None,
+    vocab_block: int | None = None,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of each target token and entropy, without materialising [N, V] logits.
+
+    With z = hidden @ lm_head / temperature and p = softmax(z):
+      logp[n] = z[n, targets[n]] - logsumexp(z[n]),  entropy[n] = -sum_v p[n, v] log p[n, v].
+
+    Args:
+      hidden: [N, d] final hidden states (float32 or bfloat16).
+      lm_head: [d, V] output projection.
+      targets: [N] int token ids in [0, V).
+      mask: [N]; rows where mask == 0 return 0, get zero gradient and cost no matmul FLOPs.
+      temperature: sampling temperature (> 0), a static Python float.
+      implementation: None (xla on CPU, pallas elsewhere, falling back to xla when the
+        kernels do not compile), "reference", "xla" or "pallas".
+      row_block, vocab_block: tile sizes; None keeps the implementation's defaults.
+      interpret: run the Pallas kernels in interpret mode (CPU tests).
+
+    Returns:
+      (logp[N], entropy[N]) float32, differentiable with respect to hidden and lm_head
+      (float32 accumulation whatever the input dtype).
+    """
+    _check_inputs(hidden, lm_head, targets, mask, temperature)
+    temperature = float(temperature)
+    if implementation is None:
+        implementation = "xla" if jax.default_backend() == "cpu" else "pallas"
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
+                         f"got {implementation!r}")
+    if implementation == "reference":
+        return token_logprobs_reference(hidden, lm_head, targets, mask, temperature)
+    blocks = {k: v for k, v in (("row_block", row_block), ("vocab_block", vocab_block)) if v}
+    engine = XlaEngine(**blocks)
+    if implementation == "pallas":
+        from kernels.logprob.pallas import PallasEngine
+
+        pallas_engine = PallasEngine(**blocks, interpret=interpret)
+        if interpret or _compiles(pallas_engine, _signature(hidden, lm_head, targets, mask),
+                                  temperature):
+            engine = pallas_engine
+    return token_logprobs_chunked(hidden, lm_head, targets, mask, temperature, engine)
+
+
+def _check_inputs(hidden, lm_head, targets, mask, temperature):
+    if hidden.ndim != 2 or lm_head.ndim != 2:
+        raise ValueError(f"hidden must be [N, d] and lm_head [d, V], got shapes "
+                         f"{hidden.shape} and {lm_head.shape}")
+    if hidden.shape[1] != lm_head.shape[0]:
+        raise ValueError(f"hidden [N, d={hidden.shape[1]}] does not match "
+                         f"lm_head [d={lm_head.shape[0]}, V]")
+    num_rows = hidden.shape[0]
+    if targets.shape != (num_rows,) or mask.shape != (num_rows,):
+        raise ValueError(f"targets and mask must be [N={num_rows}], got {targets.shape} "
+                         f"and {mask.shape}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise ValueError(f"targets must be integer token ids, got dtype {targets.dtype}")
+    if not float(temperature) > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _signature(*arrays):
+    return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiles(engine, signature, temperature: float) -> bool:
+    """Whether forward and backward kernels compile for these shapes on this backend."""
+
+    def forward_backward(hidden, lm_head, targets, mask):
+        f = lambda h, w: token_logprobs_chunked(h, w, targets, mask, temperature, engine)
+        outputs, vjp = jax.vjp(f, hidden, lm_head)
+        return outputs, vjp(outputs)
+
+    try:
+        jax.jit(forward_backward).lower(*signature).compile()
+    except Exception:  # noqa: BLE001 - any lowering/compile failure selects the XLA engine
+        return False
+    return True

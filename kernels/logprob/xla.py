@@ -1,0 +1,141 @@
+"""Chunked XLA engine: vocabulary blocks (static scan) x valid row blocks (dynamic loop).
+
+Any backend; the default on CPU. Peak extra memory is a few [row_block, vocab_block]
+float32 tiles instead of [N, V] logits.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kernels.logprob.rows import RowCompaction
+
+F32 = jnp.float32
+_CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # a[R, x], b[R, y] -> [x, y]
+_CONTRACT_COLS = (((1,), (1,)), ((), ()))  # a[x, C], b[y, C] -> [x, y]
+
+
+def vocab_loop(body, carry, vocab_size: int, vocab_block: int):
+    """carry = body(carry, start, width) over vocabulary blocks; width is static.
+
+    Whole blocks run under lax.scan; a remainder block (vocab_size % vocab_block) runs once
+    more with its own static width, so no padded copy of the LM head is made.
+    """
+    num_full, tail = divmod(vocab_size, vocab_block)
+    if num_full:
+        step = lambda c, j: (body(c, j * vocab_block, vocab_block), None)
+        carry, _ = lax.scan(step, carry, jnp.arange(num_full))
+    if tail:
+        carry = body(carry, num_full * vocab_block, tail)
+    return carry
+
+
+def row_loop(body, carry, num_blocks: jax.Array, row_block: int):
+    """carry = body(carry, start) for the first num_blocks row blocks (a dynamic trip count)."""
+    return lax.fori_loop(0, num_blocks, lambda i, c: body(c, i * row_block), carry)
+
+
+def logits(h_rows: jax.Array, w_cols: jax.Array, inv_t: float) -> jax.Array:
+    """z = h @ w * inv_t with float32 accumulation: [R, d], [d, C] -> [R, C]."""
+    return jnp.dot(h_rows, w_cols, preferred_element_type=F32) * inv_t
+
+
+def merge_stats(m, s, a, z):
+    """Online softmax statistics, updated with a block of logits z[R, C].
+
+    m: running max; s = sum_v exp(z_v - m); a = sum_v exp(z_v - m) (z_v - m).
+    Re-basing from m to m' multiplies both by exp(m - m') and shifts a by s (m - m').
+    """
+    m_new = jnp.maximum(m, z.max(axis=-1))
+    scale = jnp.exp(m - m_new)
+    shifted = z - m_new[:, None]
+    e = jnp.exp(shifted)
+    s_new = s * scale + e.sum(axis=-1)
+    a_new = (a + s * (m - m_new)) * scale + (e * shifted).sum(axis=-1)
+    return m_new, s_new, a_new
+
+
+def finish_stats(m, s, a):
+    """(lse, entropy) from online statistics: lse = m + log s, H = lse - E_p[z] = log s - a/s."""
+    return m + jnp.log(s), jnp.log(s) - a / s
+
+
+def logit_cotangent(z, cols, t, lse, entropy, g_logp, g_ent, inv_t):
+    """dL/d(h @ w) for one tile: inv_t * [g_logp (1[v=t] - p) + g_ent p (E_p[z] - z)].
+
+    z[R, C] tempered logits, cols[C] vocabulary ids; per-row vectors are [R].
+    """
+    p = jnp.exp(z - lse[:, None])
+    mean_z = (lse - entropy)[:, None]
+    onehot = (cols[None, :] == t[:, None]).astype(F32)
+    dz = g_logp[:, None] * (onehot - p) + g_ent[:, None] * p * (mean_z - z)
+    return dz * inv_t
+
+
+def _slice_rows(x, start, size):
+    return lax.dynamic_slice_in_dim(x, start, size, axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaEngine:
+    """Blocked passes in plain XLA. Block sizes trade tile memory for matmul efficiency."""
+
+    row_block: int = 1024
+    vocab_block: int = 4096
+
+    def rows_per_block(self, num_rows: int) -> int:
+        return min(self.row_block, num_rows)
+
+    def stats(self, h_c, w, rows: RowCompaction, row_block: int, inv_t: float):
+        """(lse, entropy) [N_pad] float32 for compacted hidden states h_c[N_pad, d]."""
+        num_pad = h_c.shape[0]
+        init = (jnp.full((num_pad,), jnp.finfo(F32).min), jnp.zeros((num_pad,), F32),
+                jnp.zeros((num_pad,), F32))
+
+        def vocab_body(carry, start, width):
+            w_j = lax.dynamic_slice_in_dim(w, start, width, axis=1)
+
+            def row_body(carry, r0):
+                z = logits(_slice_rows(h_c, r0, row_block), w_j, inv_t)
+                block = merge_stats(*(_slice_rows(x, r0, row_block) for x in carry), z)
+                return tuple(lax.dynamic_update_slice_in_dim(x, y, r0, 0)
+                             for x, y in zip(carry, block, strict=True))
+
+            return row_loop(row_body, carry, rows.num_blocks, row_block)
+
+        m, s, a = vocab_loop(vocab_body, init, w.shape[1], min(self.vocab_block, w.shape[1]))
+        # Rows beyond the valid blocks were never visited; give them finite values.
+        visited = jnp.arange(num_pad) < rows.num_blocks * row_block
+        return tuple(jnp.where(visited, x, 0.0) for x in finish_stats(m, s, a))
+
+    def grads(self, h_c, w, rows: RowCompaction, row_block, inv_t, t_c, lse, entropy,
+              g_logp, g_ent):
+        """(dh_c[N_pad, d] float32, dw[d, V] in w's dtype)."""
+        mm_dtype = jnp.promote_types(h_c.dtype, w.dtype)
+
+        def vocab_body(carry, start, width):
+            dh_c, dw = carry
+            w_j = lax.dynamic_slice_in_dim(w, start, width, axis=1)
+            cols = start + jnp.arange(width)
+
+            def row_body(inner, r0):
+                dh_c, dw_j = inner
+                h_i = _slice_rows(h_c, r0, row_block)
+                row = lambda x: _slice_rows(x, r0, row_block)
+                dz = logit_cotangent(logits(h_i, w_j, inv_t), cols, row(t_c), row(lse),
+                                     row(entropy), row(g_logp), row(g_ent), inv_t)
+                dz = dz.astype(mm_dtype)
+                dh_i = lax.dot_general(dz, w_j, _CONTRACT_COLS, preferred_element_type=F32)
+                dh_c = lax.dynamic_update_slice_in_dim(dh_c, row(dh_c) + dh_i, r0, 0)
+                dw_j = dw_j + lax.dot_general(h_i, dz, _CONTRACT_ROWS, preferred_element_type=F32)
+                return dh_c, dw_j
+
+            dw_j = jnp.zeros((w.shape[0], width), F32)
+            dh_c, dw_j = row_loop(row_body, (dh_c, dw_j), rows.num_blocks, row_block)
+            dw = lax.dynamic_update_slice_in_dim(dw, dw_j.astype(dw.dtype), start, 1)
+            return dh_c, dw
+
+        init = (jnp.zeros(h_c.shape, F32), jnp.zeros_like(w))
+        return vocab_loop(vocab_body, init, w.shape[1], min(self.vocab_block, w.shape[1]))
