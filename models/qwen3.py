@@ -1,0 +1,384 @@
+"""Qwen3 dense decoder in Flax NNX.
+
+Architecture (HF `Qwen3ForCausalLM`): token embedding; per layer
+`x += o_proj(attn(q_norm(q_proj(rms(x))), k_norm(k_proj(rms(x))), v_proj(rms(x))))` then
+`x += down_proj(silu(gate_proj(rms(x))) * up_proj(rms(x)))`; a final RMSNorm. Attention is
+grouped-query (num_heads query heads share num_kv_heads key/value heads), q and k are
+RMS-normalised per head before RoPE, and head_dim is independent of hidden_size.
+
+Parameters are stored as `[in, out]` kernels (HF stores `[out, in]`); attribute names follow
+HF so `hf_io` maps them one to one. Norms, RoPE and softmax run in float32 whatever the
+compute dtype.
+
+Two call paths share the layers:
+  `model(tokens, positions, segment_ids)` for training / scoring on (packed) rows, and
+  `model.decode(tokens, positions, cache)` for prefill and incremental decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+_HF_ARCH = "Qwen3ForCausalLM"
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Shape and numerics of a Qwen3 model.
+
+    vocab_size: rows of the embedding / columns of the output head.
+    hidden_size: model width d.
+    intermediate_size: SwiGLU width.
+    num_layers: decoder layers.
+    num_heads / num_kv_heads: query heads / key-value heads (num_heads % num_kv_heads == 0).
+    head_dim: per-head width (128 for all released Qwen3 sizes, not hidden_size / num_heads).
+    rope_theta: RoPE base.
+    rms_norm_eps: epsilon of every RMSNorm.
+    tie_word_embeddings: output head is the transposed embedding.
+    max_position_embeddings: longest position the model was trained for (informational).
+    dtype: compute dtype of matmuls and activations ("float32" | "bfloat16").
+    param_dtype: storage dtype of parameters ("float32" | "bfloat16").
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40960
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in ("float32", "bfloat16"):
+                raise ValueError(f"Qwen3Config.{name} must be float32 or bfloat16, "
+                                 f"got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], **overrides) -> Qwen3Config:
+        """Builds a config from an HF `config.json` dict; `overrides` set dtype/param_dtype."""
+        if hf.get("model_type", "qwen3") != "qwen3":
+            raise ValueError(f"expected model_type 'qwen3', got {hf.get('model_type')!r}")
+        if hf.get("attention_bias", False):
+            raise ValueError("attention_bias=true is not a Qwen3 dense model")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act must be silu, got {hf['hidden_act']!r}")
+        if hf.get("use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported")
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling")
+        rope_type = rope.get("rope_type", (scaling or {}).get("rope_type", "default"))
+        if rope_type != "default" or (scaling and scaling.get("rope_type") != "default"):
+            raise ValueError(f"only default RoPE is supported, config has {rope or scaling}")
+        theta = hf.get("rope_theta", rope.get("rope_theta"))
+        if theta is None:
+            raise ValueError("config has neither rope_theta nor rope_parameters.rope_theta")
+        heads = hf["num_attention_heads"]
+        return cls(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=hf.get("num_key_value_heads", heads),
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=float(theta),
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=hf.get("tie_word_embeddings", False),
+            max_position_embeddings=hf.get("max_position_embeddings", 40960),
+            **overrides,
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict (loadable by transformers and SGLang)."""
+        return {
+            "architectures": [_HF_ARCH],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+            "sliding_window": None,
+            "max_window_layers": self.num_layers,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "torch_dtype": self.param_dtype,
+        }
+
+
+def _preset(hidden, inter, layers, heads, tied):
+    return Qwen3Config(vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
+                       num_layers=layers, num_heads=heads, num_kv_heads=8, head_dim=128,
+                       tie_word_embeddings=tied)
+
+
+# Sizes from the released HF config.json files; "tiny" is the CPU model trained from scratch.
+PRESETS: dict[str, Qwen3Config] = {
+    "tiny": Qwen3Config(vocab_size=4096, hidden_size=128, intermediate_size=384, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0,
+                        max_position_embeddings=4096),
+    "qwen3-0.6b": _preset(1024, 3072, 28, 16, tied=True),
+    "qwen3-1.7b": _preset(2048, 6144, 28, 16, tied=True),
+    "qwen3-4b": _preset(2560, 9728, 36, 32, tied=True),
+    "qwen3-8b": _preset(4096, 12288, 36, 32, tied=False),
+    "qwen3-14b": _preset(5120, 17408, 40, 40, tied=False),
+    "qwen3-32b": _preset(5120, 25600, 64, 64, tied=False),
+}
+
+
+# ----------------------------------------------------------------------------- maths
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """y = scale * x / sqrt(mean(x^2, -1) + eps), computed in float32, returned in x.dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (scale.astype(jnp.float32) * y).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, HF rotate_half layout.
+
+    x: [B,T,H,D], positions: [B,T]. With f_i = theta^(-2i/D) for i < D/2 and angle a = p*f
+    repeated to length D: y = x*cos(a) + rotate_half(x)*sin(a), rotate_half(x) = [-x2, x1].
+    """
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq          # [B,T,D/2]
+    angle = jnp.concatenate([angle, angle], axis=-1)[:, :, None, :]      # [B,T,1,D]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x32 * jnp.cos(angle) + rotated * jnp.sin(angle)).astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax(q k^T / sqrt(D) masked) v with grouped heads; softmax in float32.
+
+    q: [B,T,H,D], k/v: [B,S,K,D] with H = K*G, mask: [B,T,S] bool -> [B,T,H,D].
+    Fully masked rows (padding) give a finite uniform average instead of NaN.
+    """
+    b, t, h, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (d ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, d)
+
+
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+    """[B,T] segment ids -> [B,T,T] mask: same nonzero segment and key index <= query index."""
+    t = segment_ids.shape[1]
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return causal[None] & same & (segment_ids != 0)[:, :, None]
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer, one slot per position.
+
+    k, v: [L,B,S,K,D] (compute dtype); valid: [B,S] bool, slot s holds position s of row b;
+    lengths: [B] int32, one past the largest position written in each row.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    valid: jax.Array
+    lengths: jax.Array
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def _init(rngs: nnx.Rngs, shape, dtype, std=0.02):
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std)
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel, kernel [in, out] stored in param_dtype, applied in compute dtype."""
+
+    def __init__(self, d_in: int, d_out: int, cfg: Qwen3Config, rngs: nnx.Rngs):
+        self.kernel = _init(rngs, (d_in, d_out), jnp.dtype(cfg.param_dtype))
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, cfg: Qwen3Config):
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.dtype(cfg.param_dtype)))
+        self.eps = cfg.rms_norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+        self.embedding = _init(rngs, (cfg.vocab_size, cfg.hidden_size), jnp.dtype(cfg.param_dtype))
+        self.dtype = jnp.dtype(cfg.dtype)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        self.q_proj = Linear(d, cfg.num_heads * hd, cfg, rngs)
+        self.k_proj = Linear(d, cfg.num_kv_heads * hd, cfg, rngs)
+        self.v_proj = Linear(d, cfg.num_kv_heads * hd, cfg, rngs)
+        self.o_proj = Linear(cfg.num_heads * hd, d, cfg, rngs)
+        self.q_norm = RMSNorm(hd, cfg)
+        self.k_norm = RMSNorm(hd, cfg)
+        self.head_dim = hd
+        self.theta = cfg.rope_theta
+
+    def qkv(self, x, positions):
+        """x [B,T,d] -> q [B,T,H,D], k, v [B,T,K,D] (normed and rotated)."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, t, -1, self.head_dim))
+        k = self.k_norm(self.k_proj(x).reshape(b, t, -1, self.head_dim))
+        v = self.v_proj(x).reshape(b, t, -1, self.head_dim)
+        return rope(q, positions, self.theta), rope(k, positions, self.theta), v
+
+    def out(self, o: jax.Array) -> jax.Array:
+        return self.o_proj(o.reshape(*o.shape[:2], -1))
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg, rngs)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, cfg, rngs)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.self_attn = Attention(cfg, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
+        self.mlp = MLP(cfg, rngs)
+
+    def __call__(self, x, positions, mask):
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
+        x = x + self.self_attn.out(attention(q, k, v, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x, positions, slots, index, cache_k, cache_v, mask):
+        """Writes this step's k/v into layer `index` of the cache, attends over that layer.
+
+        cache_k/v: [L,B,S,K,D]; slots: [B,T] cache index per token (S for padding: dropped).
+        """
+        q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
+        rows = jnp.arange(x.shape[0])[:, None]
+        cache_k = cache_k.at[index, rows, slots].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[index, rows, slots].set(v.astype(cache_v.dtype), mode="drop")
+        x = x + self.self_attn.out(attention(q, cache_k[index], cache_v[index], mask))
+        return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
+
+
+class Qwen3(nnx.Module):
+    """Qwen3ForCausalLM without the output projection (see `lm_head`)."""
+
+    def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.cfg = cfg
+        self.embed_tokens = Embed(cfg, rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head_proj = Linear(cfg.hidden_size, cfg.vocab_size, cfg, rngs)
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens, positions, segment_ids: [B,T] int32 -> final-normed hidden [B,T,d].
+
+        segment_ids: tokens attend only to earlier-or-equal indices of the same nonzero id
+        (several sequences packed in one row); 0 marks padding. None = one causal sequence.
+        """
+        if segment_ids is None:
+            segment_ids = jnp.ones_like(tokens)
+        mask = segment_mask(segment_ids)
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x, positions, mask)
+        return self.norm(x)
+
+    def lm_head(self) -> jax.Array:
+        """Output projection [d, V] in compute dtype (the embedding transposed when tied)."""
+        dtype = jnp.dtype(self.cfg.dtype)
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.embedding[...].T.astype(dtype)
+        return self.lm_head_proj.kernel[...].astype(dtype)
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty cache for `batch` rows of up to `max_len` positions."""
+        cfg = self.cfg
+        shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        zeros = jnp.zeros(shape, jnp.dtype(cfg.dtype))
+        return KVCache(k=zeros, v=zeros, valid=jnp.zeros((batch, max_len), bool),
+                       lengths=jnp.zeros((batch,), jnp.int32))
+
+    def decode(self, tokens: jax.Array, positions: jax.Array,
+               cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Prefill (T > 1) or step (T = 1) against a cache -> (hidden [B,T,d], new cache).
+
+        Token (b, t) is stored in cache slot positions[b, t]; a negative position marks a
+        padding token, which is neither stored nor meaningful in the output. A token at
+        position p attends to every filled slot s <= p of its row, so rows may sit at
+        different lengths and a prompt may be prefilled in several chunks.
+        """
+        max_len = cache.valid.shape[1]
+        rows = jnp.arange(tokens.shape[0])[:, None]
+        slots = jnp.where(positions >= 0, positions, max_len)
+        valid = cache.valid.at[rows, slots].set(True, mode="drop")
+        lengths = jnp.maximum(cache.lengths, jnp.max(positions, axis=1) + 1).astype(jnp.int32)
+        mask = valid[:, None, :] & (jnp.arange(max_len)[None, None, :] <= positions[:, :, None])
+        x = self.embed_tokens(tokens)
+        k, v = cache.k, cache.v
+        for i, layer in enumerate(self.layers):
+            x, k, v = layer.decode(x, positions, slots, i, k, v, mask)
+        cache = KVCache(k=k, v=v, valid=valid, lengths=lengths)
+        return self.norm(x), cache
