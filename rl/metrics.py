@@ -1,0 +1,105 @@
+"""One metric writer: TensorBoard events in workdir/tb and workdir/metrics.jsonl.
+
+Events are written with TensorBoard's own TensorFlow-free event writer and
+protos. Only process 0 writes; on other processes every call is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Mapping
+
+import jax
+import numpy as np
+from tensorboard.compat.proto import (
+    event_pb2,
+    summary_pb2,
+    tensor_pb2,
+    tensor_shape_pb2,
+    types_pb2,
+)
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+
+def _float(value) -> float:
+    return float(np.asarray(value).item())
+
+
+def histogram_proto(values, bins: int = 30) -> summary_pb2.HistogramProto:
+    """TensorBoard histogram of `values` (any shape) with `bins` equal-width buckets."""
+    values = np.asarray(values, np.float64).reshape(-1)
+    if values.size == 0:
+        raise ValueError("histogram of an empty array")
+    counts, edges = np.histogram(values, bins=bins)
+    return summary_pb2.HistogramProto(
+        min=float(values.min()), max=float(values.max()), num=float(values.size),
+        sum=float(values.sum()), sum_squares=float(np.square(values).sum()),
+        bucket_limit=[float(e) for e in edges[1:]], bucket=[float(c) for c in counts])
+
+
+def text_value(tag: str, text: str) -> summary_pb2.Summary.Value:
+    """A text-plugin summary value (a rank-0 string tensor)."""
+    tensor = tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, string_val=[text.encode("utf-8")],
+                                    tensor_shape=tensor_shape_pb2.TensorShapeProto())
+    meta = summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name="text"))
+    return summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=meta)
+
+
+class MetricWriter:
+    """Writes scalars, histograms and text for `workdir`.
+
+    write_scalars also appends {"step": step, **scalars} as one line to
+    workdir/metrics.jsonl (non-finite values become null there).
+    """
+
+    def __init__(self, workdir: str):
+        self.enabled = jax.process_index() == 0
+        if not self.enabled:
+            return
+        os.makedirs(os.path.join(workdir, "tb"), exist_ok=True)
+        self._events = EventFileWriter(os.path.join(workdir, "tb"))
+        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")  # noqa: SIM115
+
+    def _write(self, step: int, values: list[summary_pb2.Summary.Value]) -> None:
+        event = event_pb2.Event(wall_time=time.time(), step=int(step),
+                                summary=summary_pb2.Summary(value=values))
+        self._events.add_event(event)
+
+    def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
+        if not self.enabled:
+            return
+        values = {k: _float(v) for k, v in scalars.items()}
+        self._write(step, [summary_pb2.Summary.Value(tag=k, simple_value=v)
+                           for k, v in values.items()])
+        row = {"step": int(step), **{k: v if math.isfinite(v) else None
+                                     for k, v in values.items()}}
+        self._jsonl.write(json.dumps(row) + "\n")
+
+    def write_histograms(self, step: int, arrays: Mapping[str, np.ndarray],
+                         bins: int = 30) -> None:
+        if not self.enabled:
+            return
+        self._write(step, [summary_pb2.Summary.Value(tag=k, histo=histogram_proto(v, bins))
+                           for k, v in arrays.items()])
+
+    def write_texts(self, step: int, texts: Mapping[str, str]) -> None:
+        if not self.enabled:
+            return
+        self._write(step, [text_value(k, v) for k, v in texts.items()])
+
+    def flush(self) -> None:
+        if not self.enabled:
+            return
+        self._events.flush()
+        self._jsonl.flush()
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._events.close()
+        self._jsonl.close()
+        self.enabled = False

@@ -1,0 +1,48 @@
+"""MetricWriter read back with TensorBoard's own EventAccumulator, and metrics.jsonl."""
+
+import json
+import os
+
+import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from rl.metrics import MetricWriter
+
+
+def test_events_and_jsonl_read_back(tmp_path):
+    writer = MetricWriter(str(tmp_path))
+    writer.write_scalars(1, {"loss": 0.5, "lr": np.float32(1e-3)})
+    writer.write_scalars(2, {"loss": 0.25, "bad": float("nan")})
+    values = np.arange(100, dtype=np.float32)
+    writer.write_histograms(2, {"pass_rate": values}, bins=10)
+    writer.write_texts(3, {"sample": "def f():\n    return 1"})
+    writer.close()
+
+    acc = EventAccumulator(str(tmp_path / "tb"), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 0.5), (2, 0.25)]
+    assert abs(acc.Scalars("lr")[0].value - 1e-3) < 1e-9
+    (hist,) = acc.Histograms("pass_rate")
+    assert hist.step == 2
+    h = hist.histogram_value
+    assert (h.min, h.max, h.num, h.sum) == (0.0, 99.0, 100.0, float(values.sum()))
+    assert h.bucket == [10.0] * 10
+    np.testing.assert_allclose(h.bucket_limit, np.linspace(0, 99, 11)[1:])
+    (text,) = acc.Tensors("sample")
+    assert text.step == 3
+    assert text.tensor_proto.string_val[0].decode() == "def f():\n    return 1"
+    assert acc.summary_metadata["sample"].plugin_data.plugin_name == "text"
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [
+        {"step": 1, "loss": 0.5, "lr": float(np.float32(1e-3))},
+        {"step": 2, "loss": 0.25, "bad": None}]
+
+
+def test_writer_appends_across_instances(tmp_path):
+    for step in range(2):
+        writer = MetricWriter(str(tmp_path))
+        writer.write_scalars(step, {"x": step})
+        writer.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+    assert os.listdir(tmp_path / "tb")
