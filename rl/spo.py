@@ -1,0 +1,355 @@
+"""SPO: a persistent per-prompt Beta baseline instead of a group (seed 002).
+
+Per task id: Beta(alpha, beta) over the success rate, estimate v = alpha / (alpha + beta).
+A visit with reward r in {0, 1} first discounts old evidence, then adds the new (Eq. 5):
+
+    alpha <- rho * alpha + r,   beta <- rho * beta + (1 - r)
+    rho = clip(2 ** (-D / D_half), rho_min, rho_max)        (defaults 0.875, 0.96, 0.06)
+
+D is how far the policy moved since it last acted on the prompt: the token mean of
+|logp_then - logp_now| over that visit's stored response, logp_then taken right after
+that visit's update. First visit: D = 0, rho = rho_max.
+
+One training step, as the trainer calls it (B task ids, one response each):
+
+    ids = sampler.sample(pool, B)                      # weights sqrt(v(1-v)) + 0.05
+    ...one rollout per id -> rewards[B]...
+    v_before = tracker.values(ids)                     # estimate before this step
+    adv = spo_advantages(rewards, v_before)            # Eq. 8, then batch-normalised
+    reqs = tracker.pending_d_requests(ids)             # {id: StoredResponse}
+    logp_now = {i: score(r.ids, r.mask) for i, r in reqs.items()}   # current params
+    tracker.update(ids, rewards, D=tracker.drift(ids, logp_now))
+    ...learner update with adv...
+    for each sample: w_ids, w_mask = drift_window(token_ids, loss_mask, tracker.max_stored_tokens)
+        tracker.store_response(id, w_ids, score(w_ids, w_mask), w_mask)  # updated params
+
+`score(ids, mask)` scores a window as a standalone sequence (positions from 0) with the
+same temperature as the sampler; the same function must serve both calls so that D
+compares like with like. A prompt drawn twice in one batch shares one v_before and one
+D, is updated once per sample in batch order, and keeps the last sample's response.
+
+Seed 002 reads v after each update in its worked examples: from alpha = beta = 4,
+rho = 0.875, rewards (1, 0, 1) give v = 0.5625, 0.492188, 0.555664. The advantage uses the
+value before the update (Eq. 8), not Algorithm 1's in-place order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+
+def rho_from_drift(D, d_half: float = 0.06, rho_min: float = 0.875,
+                   rho_max: float = 0.96) -> np.ndarray:
+    """rho[B] = clip(2 ** (-D / d_half), rho_min, rho_max) for D[B] >= 0."""
+    D = np.asarray(D, dtype=np.float64)
+    return np.clip(np.exp2(-D / d_half), rho_min, rho_max)
+
+
+def policy_drift(logp_then, logp_now, mask) -> float:
+    """D = sum(mask * |logp_then - logp_now|) / sum(mask) over one response[T]; 0 if no
+    token is scored."""
+    then, now = np.asarray(logp_then, np.float64), np.asarray(logp_now, np.float64)
+    m = np.asarray(mask, bool)
+    if not then.shape == now.shape == m.shape:
+        raise ValueError(f"logp_then {then.shape}, logp_now {now.shape} and mask {m.shape} "
+                         "must have one shape")
+    n = int(m.sum())
+    return float(np.abs(then - now)[m].sum() / n) if n else 0.0
+
+
+def drift_window(ids, mask, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """The last max_tokens tokens of a response stream (context included): what is stored
+    and rescored for D. Bounds tracker memory at ~9 bytes * max_tokens per prompt."""
+    ids, mask = np.asarray(ids), np.asarray(mask)
+    if ids.shape != mask.shape or ids.ndim != 1:
+        raise ValueError(f"ids {ids.shape} and mask {mask.shape} must be equal 1-D shapes")
+    return ids[-max_tokens:].astype(np.int32), mask[-max_tokens:].astype(bool)
+
+
+def spo_advantages(rewards, v_before, eps: float = 1e-8) -> np.ndarray:
+    """A[B] = r - v_before, then (A - mean(A)) / (std(A) + eps) over the batch (ddof 0)."""
+    r, v = np.asarray(rewards, np.float64), np.asarray(v_before, np.float64)
+    if r.shape != v.shape or r.ndim != 1:
+        raise ValueError(f"rewards {r.shape} and v_before {v.shape} must be equal 1-D shapes")
+    a = r - v
+    return (a - a.mean()) / (a.std() + eps)
+
+
+def offline_prior(successes, n0: int, rho_min: float = 0.875,
+                  form: Literal["paper", "reference"] = "paper"
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """(alpha0[P], beta0[P]) from s successes in n0 offline samples, N0 = 1 / (1 - rho_min).
+
+    paper (Eq. 6, Algorithm 2; the default, and the form that reproduces seed 002's
+      worked examples: s = 2 of 8 gives alpha0 = 2, beta0 = 6):
+        alpha0 = N0 * s / n0,               beta0 = N0 * (n0 - s) / n0
+    reference (adds a half, so no estimate starts at exactly 0 or 1):
+        alpha0 = N0 * (s + 0.5) / (n0 + 1), beta0 = N0 * (n0 - s + 0.5) / (n0 + 1)
+    """
+    s = np.asarray(successes, np.float64)
+    if n0 < 1 or np.any((s < 0) | (s > n0)):
+        raise ValueError(f"need n0 >= 1 and 0 <= successes <= n0, got n0={n0}")
+    big_n = 1.0 / (1.0 - rho_min)
+    if form == "paper":
+        return big_n * s / n0, big_n * (n0 - s) / n0
+    if form == "reference":
+        return big_n * (s + 0.5) / (n0 + 1), big_n * (n0 - s + 0.5) / (n0 + 1)
+    raise ValueError(f"offline init form must be 'paper' or 'reference', got {form!r}")
+
+
+@dataclasses.dataclass
+class StoredResponse:
+    """A prompt's last response window: ids int32[W], mask bool[W] (tokens D averages
+    over), logp float32[W] (under the policy right after that visit's update)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    logp: np.ndarray
+
+
+class BetaTracker:
+    """Host-side float64 alpha[P], beta[P], rows keyed by task id (grows by doubling).
+
+    rho_type: "kl" (rho from the drift D) or "constant" (rho = rho_constant, default
+      rho_min, whose stationary evidence 1 / (1 - rho) equals the offline N0).
+    prior: (alpha, beta) of a task never initialised nor updated; default Beta(1, 1),
+      v = 0.5, weak so that the first visits dominate. Seed 002 initialises every
+      prompt offline (init_offline) and gives no prior for unseen ones.
+    max_stored_tokens: longest stored response window (see drift_window).
+    """
+
+    def __init__(self, *, rho_type: Literal["kl", "constant"] = "kl", d_half: float = 0.06,
+                 rho_min: float = 0.875, rho_max: float = 0.96, rho_constant: float = 0.875,
+                 prior: tuple[float, float] = (1.0, 1.0), max_stored_tokens: int = 512,
+                 capacity: int = 1024):
+        if rho_type not in ("kl", "constant"):
+            raise ValueError(f"rho_type must be 'kl' or 'constant', got {rho_type!r}")
+        if not 0.0 < rho_min <= rho_max <= 1.0 or not 0.0 < rho_constant <= 1.0:
+            raise ValueError(f"need 0 < rho_min <= rho_max <= 1 and 0 < rho_constant <= 1, got "
+                             f"{rho_min}, {rho_max}, {rho_constant}")
+        if min(prior) < 0 or sum(prior) <= 0:
+            raise ValueError(f"prior (alpha, beta) must be >= 0 with a positive sum, got {prior}")
+        self.rho_type, self.d_half = rho_type, d_half
+        self.rho_min, self.rho_max, self.rho_constant = rho_min, rho_max, rho_constant
+        self.prior = (float(prior[0]), float(prior[1]))
+        self.max_stored_tokens = max_stored_tokens
+        self._index: dict[str, int] = {}
+        self._ids: list[str] = []
+        self._responses: list[StoredResponse | None] = []
+        self.alpha = np.full(max(capacity, 1), self.prior[0])
+        self.beta = np.full(max(capacity, 1), self.prior[1])
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def __contains__(self, task_id: str) -> bool:
+        return task_id in self._index
+
+    def _add(self, task_id: str) -> int:
+        if not isinstance(task_id, str):
+            raise TypeError(f"task ids are str, got {type(task_id).__name__}: {task_id!r}")
+        row = len(self._ids)
+        if row == self.alpha.size:
+            grow = self.alpha.size
+            self.alpha = np.concatenate([self.alpha, np.full(grow, self.prior[0])])
+            self.beta = np.concatenate([self.beta, np.full(grow, self.prior[1])])
+        self._index[task_id] = row
+        self._ids.append(str(task_id))
+        self._responses.append(None)
+        return row
+
+    def rows(self, task_ids: Sequence[str], insert: bool = False) -> np.ndarray:
+        """Row of each id, int64[B]; -1 for unknown ids unless insert (then new rows)."""
+        get = self._index.get
+        rows = np.fromiter((get(t, -1) for t in task_ids), np.int64, count=len(task_ids))
+        if insert:
+            for i in np.flatnonzero(rows < 0):
+                row = get(task_ids[i])
+                rows[i] = self._add(task_ids[i]) if row is None else row
+        return rows
+
+    def values(self, task_ids: Sequence[str]) -> np.ndarray:
+        """v[B] = alpha / (alpha + beta); the prior mean for unknown ids. Read-only."""
+        rows = self.rows(task_ids)
+        a = np.where(rows >= 0, self.alpha[rows], self.prior[0])
+        b = np.where(rows >= 0, self.beta[rows], self.prior[1])
+        return a / (a + b)
+
+    def rho(self, D=None, size: int | None = None) -> np.ndarray:
+        """rho[B] for drifts D[B] ("kl") or the constant (then D is ignored)."""
+        if self.rho_type == "constant":
+            n = size if D is None else np.asarray(D).shape[0]
+            return np.full(n, self.rho_constant)
+        if D is None:
+            raise ValueError("rho_type='kl' needs D per sample (tracker.drift)")
+        return rho_from_drift(D, self.d_half, self.rho_min, self.rho_max)
+
+    def update(self, task_ids: Sequence[str], rewards, *, D=None, rho=None) -> np.ndarray:
+        """Apply Eq. 5 per sample, in batch order for repeated ids; returns rho[B] used.
+
+        rho may be given directly (float or [B]); otherwise it comes from D (rho_type "kl",
+        D[B] from drift()) or the constant. Exactly equal to a per-sample Python loop:
+        samples are applied in passes by occurrence rank, so each id's updates keep
+        their order and each is the same float64 `rho * alpha + r`.
+        """
+        n = len(task_ids)
+        r = np.asarray(rewards, np.float64).reshape(-1)
+        if r.shape[0] != n:
+            raise ValueError(f"{n} task ids but {r.shape[0]} rewards")
+        if not np.all((r == 0) | (r == 1)):
+            raise ValueError(f"SPO rewards must be 0 or 1, got {np.unique(r).tolist()}")
+        rho = (self.rho(D, size=n) if rho is None
+               else np.broadcast_to(np.asarray(rho, np.float64), (n,)))
+        if rho.shape != (n,):
+            raise ValueError(f"rho/D must have one value per sample ({n}), got {rho.shape}")
+        if not np.all((rho > 0) & (rho <= 1)):
+            raise ValueError(f"rho must be in (0, 1], got min {rho.min()} max {rho.max()}")
+        rows = self.rows(task_ids, insert=True)
+        for sel in _occurrence_passes(rows):
+            rw, rh, rr = rows[sel], rho[sel], r[sel]
+            self.alpha[rw] = rh * self.alpha[rw] + rr
+            self.beta[rw] = rh * self.beta[rw] + (1.0 - rr)
+        return rho
+
+    def init_offline(self, task_ids: Sequence[str], successes, n0: int,
+                     form: Literal["paper", "reference"] = "paper") -> None:
+        """Set (alpha, beta) from offline sampling (offline_prior); ids must be distinct."""
+        if len(set(task_ids)) != len(task_ids):
+            raise ValueError("init_offline task ids must be distinct")
+        a0, b0 = offline_prior(successes, n0, self.rho_min, form)
+        rows = self.rows(task_ids, insert=True)
+        self.alpha[rows], self.beta[rows] = a0, b0
+
+    def store_response(self, task_id: str, ids, logp_after_update, mask=None) -> None:
+        """Keep this visit's response window (drift_window) and its log-probs under the
+        just-updated policy; replaces the previous one. The task must have been updated."""
+        row = self._index.get(task_id)
+        if row is None:
+            raise KeyError(f"store_response for {task_id!r} before any update() of it")
+        ids = np.asarray(ids, np.int32)
+        logp = np.asarray(logp_after_update, np.float32)
+        mask = np.ones(ids.shape, bool) if mask is None else np.asarray(mask, bool)
+        if not ids.shape == logp.shape == mask.shape or ids.ndim != 1:
+            raise ValueError(f"ids {ids.shape}, logp {logp.shape}, mask {mask.shape} must be "
+                             "equal 1-D shapes")
+        if ids.size > self.max_stored_tokens:
+            raise ValueError(f"response window of {ids.size} tokens exceeds max_stored_tokens="
+                             f"{self.max_stored_tokens}; cut it with drift_window before scoring")
+        self._responses[row] = StoredResponse(ids.copy(), mask.copy(), logp.copy())
+
+    def pending_d_requests(self, task_ids: Sequence[str]) -> dict[str, StoredResponse]:
+        """Stored responses of the distinct ids in the batch that have one (first-visit ids
+        are absent: their D is 0). The trainer scores each under the current params."""
+        out = {}
+        for t in task_ids:
+            row = self._index.get(t)
+            if row is not None and self._responses[row] is not None and t not in out:
+                out[t] = self._responses[row]
+        return out
+
+    def drift(self, task_ids: Sequence[str], logp_now: Mapping[str, Any]) -> np.ndarray:
+        """D[B]: policy_drift of each id's stored response against logp_now[id]; 0 when
+        the id has no stored response."""
+        D = np.zeros(len(task_ids))
+        for i, t in enumerate(task_ids):
+            row = self._index.get(t)
+            req = None if row is None else self._responses[row]
+            if req is None:
+                continue
+            if t not in logp_now:
+                raise KeyError(f"no logp_now for {t!r}, which has a stored response")
+            D[i] = policy_drift(req.logp, logp_now[t], req.mask)
+        return D
+
+    def state_dict(self) -> dict[str, Any]:
+        """Row-ordered ids (JSON), alpha/beta float64 and packed stored responses."""
+        n = len(self._ids)
+        stored = [(row, s) for row, s in enumerate(self._responses) if s is not None]
+        return {
+            "task_ids": list(self._ids),
+            "alpha": self.alpha[:n].copy(),
+            "beta": self.beta[:n].copy(),
+            "resp_rows": np.array([row for row, _ in stored], np.int64),
+            "resp_len": np.array([s.ids.size for _, s in stored], np.int64),
+            "resp_ids": _cat([s.ids for _, s in stored], np.int32),
+            "resp_mask": _cat([s.mask for _, s in stored], bool),
+            "resp_logp": _cat([s.logp for _, s in stored], np.float32),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        ids = [str(t) for t in state["task_ids"]]
+        n = len(ids)
+        cap = max(1024, 1 << max(n - 1, 0).bit_length())
+        self.alpha = np.full(cap, self.prior[0])
+        self.beta = np.full(cap, self.prior[1])
+        self.alpha[:n], self.beta[:n] = state["alpha"], state["beta"]
+        self._ids, self._index = ids, {t: i for i, t in enumerate(ids)}
+        self._responses = [None] * n
+        ends = np.cumsum(np.asarray(state["resp_len"], np.int64))
+        for row, end, size in zip(state["resp_rows"], ends, state["resp_len"], strict=True):
+            sl = slice(int(end - size), int(end))
+            self._responses[int(row)] = StoredResponse(
+                np.asarray(state["resp_ids"][sl], np.int32).copy(),
+                np.asarray(state["resp_mask"][sl], bool).copy(),
+                np.asarray(state["resp_logp"][sl], np.float32).copy())
+
+
+def _cat(arrays: Sequence[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+
+
+def _occurrence_passes(rows: np.ndarray) -> list[np.ndarray]:
+    """Split batch positions into passes where pass j holds every row's j-th occurrence
+    (in batch order); each pass has distinct rows, so fancy-index updates are safe."""
+    if rows.size == 0:
+        return []
+    order = np.argsort(rows, kind="stable")
+    srt = rows[order]
+    starts = np.r_[True, srt[1:] != srt[:-1]]
+    first = np.maximum.accumulate(np.where(starts, np.arange(rows.size), 0))
+    rank_sorted = np.arange(rows.size) - first
+    if rank_sorted.max() == 0:
+        return [np.arange(rows.size)]
+    return [order[rank_sorted == j] for j in range(int(rank_sorted.max()) + 1)]
+
+
+class PrioritizedSampler:
+    """Draws B task ids from a candidate pool with weight w = sqrt(v (1 - v)) + eps (Eq. 11).
+
+    replace=False (default) is successive sampling without replacement (Gumbel top-B:
+    the first id is drawn with probability w / sum(w), the next from the rest, ...), so
+    a batch spends one response per prompt; seed 002 says only "draw B prompts by the
+    weights". replace=True draws B independent categorical samples.
+    """
+
+    def __init__(self, tracker: BetaTracker, seed: int = 0, eps: float = 0.05,
+                 replace: bool = False):
+        self.tracker, self.eps, self.replace = tracker, eps, replace
+        self.rng = np.random.default_rng(seed)
+
+    def weights(self, pool: Sequence[str]) -> np.ndarray:
+        v = self.tracker.values(pool)
+        return np.sqrt(v * (1.0 - v)) + self.eps
+
+    def sample(self, pool: Sequence[str], batch_size: int) -> list[str]:
+        """batch_size ids from pool, in draw order."""
+        if not self.replace and batch_size > len(pool):
+            raise ValueError(f"cannot draw {batch_size} distinct ids from a pool of {len(pool)}")
+        w = self.weights(pool)
+        if self.replace:
+            picks = self.rng.choice(len(pool), size=batch_size, p=w / w.sum())
+        else:
+            keys = np.log(w) + self.rng.gumbel(size=len(pool))
+            top = np.argpartition(-keys, batch_size - 1)[:batch_size] if batch_size else []
+            picks = np.asarray(top, np.int64)[np.argsort(-keys[top], kind="stable")]
+        return [pool[i] for i in picks]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rng.bit_generator.state = state["rng"]
