@@ -1,0 +1,414 @@
+"""A sandbox in a temporary directory on this machine.
+
+Layout of one sandbox: `<tmp>/sandbox-XXXX/{repo,home,tmp}`; `repo` is a git checkout
+whose base commit `patch()` diffs against.
+
+Isolation: every command runs under `supervise.py` (new session, child subreaper)
+with a scrubbed environment and rlimits (CPU seconds, address space, file size,
+processes). When this process is root, commands run as a uid of their own, drawn at
+random from a range no account uses and owning the sandbox directory: RLIMIT_NPROC
+is counted per uid and not enforced for root, so only a dedicated uid makes the
+process limit hold (a fork bomb stays bounded) without touching other users' count;
+it also keeps commands away from root-owned files. Without root, commands run as the
+calling user and RLIMIT_NPROC is set to that user's current process count plus the
+limit. There is no network isolation and no total-memory bound (the address-space
+limit is per process); use the docker backend where those matter.
+
+After every command, processes it left in the background are killed: each call of
+`run` is self-contained, so an episode never leaks processes between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+
+from env.sandbox import base
+from env.sandbox.output import CappedOutput
+from env.sandbox.paths import repo_relative
+
+SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
+GIT_IDENTITY = ["-c", "user.name=sandbox", "-c", "user.email=sandbox@localhost"]
+GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
+# Dedicated uids are drawn from here; far above login (1000+) and subuid (100000+) ranges.
+UID_RANGE = (1_000_000_000, 1_500_000_000)
+# Extra wall time the supervisor gets beyond the command timeout before it counts as broken.
+SUPERVISOR_GRACE_S = 15.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalLimits:
+    """Per-command resource limits (None: not limited)."""
+
+    cpu_seconds: int | None = 600  # RLIMIT_CPU of each process
+    memory_bytes: int | None = 2 << 30  # RLIMIT_AS of each process
+    file_size_bytes: int | None = 1 << 30  # RLIMIT_FSIZE: largest file a command may write
+    max_processes: int | None = 256  # RLIMIT_NPROC: live processes of the sandbox's uid
+
+    def rlimits(self) -> dict[str, int]:
+        named = {
+            "RLIMIT_CPU": self.cpu_seconds,
+            "RLIMIT_AS": self.memory_bytes,
+            "RLIMIT_FSIZE": self.file_size_bytes,
+            "RLIMIT_NPROC": self.max_processes,
+        }
+        return {name: int(v) for name, v in named.items() if v is not None}
+
+
+@dataclasses.dataclass
+class _Completed:
+    exit_code: int
+    timed_out: bool
+    stdout: CappedOutput | bytearray
+    stderr: bytearray
+
+
+class LocalSandbox(base.Sandbox):
+    """A git checkout in a temp directory; commands run as supervised subprocesses.
+
+    Args:
+      repo_files: path -> text content; committed as the base commit of a new repo.
+      repo_dir: a directory to copy instead (a git repo is cloned and checked out at
+        `base_commit`, default HEAD; any other directory is committed as it is).
+      base_commit: commit of `repo_dir` to start from (only with a git `repo_dir`).
+      limits: per-command rlimits.
+      max_output_bytes: cap on the output kept per `run` (head and tail halves).
+      env: extra environment variables for commands.
+      root_dir: where the temp directory is created (default: the system temp dir).
+    """
+
+    def __init__(
+        self,
+        repo_files: Mapping[str, str] | None = None,
+        repo_dir: str | None = None,
+        base_commit: str | None = None,
+        limits: LocalLimits = LocalLimits(),
+        max_output_bytes: int = 1 << 20,
+        env: Mapping[str, str] | None = None,
+        root_dir: str | None = None,
+    ):
+        if (repo_files is None) == (repo_dir is None):
+            raise ValueError("give exactly one of repo_files and repo_dir")
+        if base_commit is not None and repo_dir is None:
+            raise ValueError("base_commit needs repo_dir (repo_files start a new history)")
+        self.limits = limits
+        self.max_output_bytes = max_output_bytes
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+        self._closed = False
+        self._uid = secrets.randbelow(UID_RANGE[1] - UID_RANGE[0]) + UID_RANGE[0]
+        if os.geteuid() != 0:
+            self._uid = None
+        self.root = tempfile.mkdtemp(prefix="sandbox-", dir=root_dir)
+        try:
+            self.repo = os.path.join(self.root, "repo")
+            self._env = self._make_env(env)
+            if repo_files is not None:
+                self._init_from_files(repo_files)
+            else:
+                self._init_from_dir(repo_dir, base_commit)
+            with open(os.path.join(self.repo, ".git", "info", "exclude"), "a") as f:
+                f.write(GIT_EXCLUDES)
+            self.base_commit = self._git_host("rev-parse", "HEAD").strip()
+            if self._uid is not None:
+                self._check_traversable()
+                _chown_tree(self.root, self._uid)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- setup ------------------------------------------------------------------------
+
+    def _make_env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
+        home, tmp = os.path.join(self.root, "home"), os.path.join(self.root, "tmp")
+        os.makedirs(home)
+        os.makedirs(tmp)
+        with open(os.path.join(home, ".gitconfig"), "w") as f:
+            f.write("[user]\n\tname = sandbox\n\temail = sandbox@localhost\n")
+        env = {"PATH": SAFE_PATH, "HOME": home, "TMPDIR": tmp, "LANG": "C.UTF-8"}
+        env.update(extra or {})
+        return env
+
+    def _init_from_files(self, files: Mapping[str, str]) -> None:
+        os.makedirs(self.repo)
+        for path, content in files.items():
+            target = os.path.join(self.repo, repo_relative(path))
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with open(target, "w", encoding="utf-8", newline="") as f:
+                f.write(content)
+        self._commit_all()
+
+    def _init_from_dir(self, src: str, base_commit: str | None) -> None:
+        if not os.path.isdir(src):
+            raise ValueError(f"repo_dir {src!r} is not a directory")
+        is_git = subprocess.run(
+            ["git", "-c", "safe.directory=*", "-C", src, "rev-parse", "--git-dir"],
+            capture_output=True,
+        ).returncode == 0
+        if not is_git:
+            if base_commit is not None:
+                raise ValueError(f"base_commit given but repo_dir {src!r} is not a git repo")
+            shutil.copytree(src, self.repo, symlinks=True)
+            self._commit_all()
+            return
+        self._git_host("-c", "safe.directory=*", "clone", "-q", "--no-hardlinks", "--no-checkout",
+                       os.path.abspath(src), self.repo, cwd=self.root)
+        try:
+            self._git_host("checkout", "-q", "--detach", base_commit or "HEAD")
+        except base.SandboxError as e:
+            raise ValueError(f"cannot check out {base_commit!r} of {src!r}: {e}") from None
+
+    def _commit_all(self) -> None:
+        self._git_host("init", "-q")
+        self._git_host("add", "-A")
+        self._git_host(*GIT_IDENTITY, "commit", "-q", "--allow-empty", "--no-verify",
+                       "--no-gpg-sign", "-m", "base")
+
+    def _git_host(self, *args: str, cwd: str | None = None) -> str:
+        """git as the calling user, for setup before any command ran in the sandbox."""
+        res = subprocess.run(["git", *args], cwd=cwd or self.repo, env=self._env,
+                             capture_output=True, text=True, errors="replace")
+        if res.returncode != 0:
+            raise base.SandboxError(f"git {' '.join(args)} failed: {res.stderr.strip()}")
+        return res.stdout
+
+    def _check_traversable(self) -> None:
+        path = os.path.dirname(self.root)
+        while True:
+            if not os.stat(path).st_mode & 0o001:
+                raise ValueError(f"{path} is not searchable by other users; sandboxes running "
+                                 "as a dedicated uid need root_dir under e.g. /tmp")
+            if path == os.path.dirname(path):
+                return
+            path = os.path.dirname(path)
+
+    # -- execution --------------------------------------------------------------------
+
+    def _exec(self, argv: list[str], timeout: float, stdin: bytes | None = None,
+              merge: bool = True, cap: int | None = None) -> _Completed:
+        status_r, status_w = os.pipe()
+        cfg = {"argv": argv, "timeout": timeout, "status_fd": status_w, "uid": self._uid,
+               "gid": self._uid, "rlimits": self.limits.rlimits()}
+        with self._lock:
+            if self._closed:
+                os.close(status_r)
+                os.close(status_w)
+                raise base.SandboxError("sandbox is closed")
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-I", "-S", SUPERVISOR, json.dumps(cfg)],
+                    cwd=self.repo, env=self._env, start_new_session=True, pass_fds=(status_w,),
+                    stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT if merge else subprocess.PIPE)
+            except OSError as e:
+                raise base.SandboxError(f"cannot start the command supervisor: {e}") from e
+            finally:
+                os.close(status_w)
+            self._running.add(proc)
+        try:
+            out = CappedOutput(cap) if cap is not None else bytearray()
+            err = bytearray()
+            finished = _collect(proc, stdin, out, err, time.monotonic() + timeout
+                                + SUPERVISOR_GRACE_S)
+            if not finished:
+                proc.kill()
+                raise base.SandboxError(f"command supervisor did not finish {timeout:.0f}s "
+                                        f"command within {SUPERVISOR_GRACE_S:.0f}s of grace")
+            proc.wait()
+            status = _read_all(status_r).split()
+        finally:
+            os.close(status_r)
+            with self._lock:
+                self._running.discard(proc)
+        if len(status) != 3:
+            if self._closed:
+                raise base.SandboxError("sandbox was closed while the command ran")
+            raise base.SandboxError(f"command supervisor failed (exit {proc.returncode}): "
+                                    + bytes(err).decode(errors="replace"))
+        if status[2] != b"1":
+            raise base.SandboxError("could not kill the processes the command left behind")
+        return _Completed(int(status[0]), status[1] == b"1", out, err)
+
+    def run(self, cmd: str, timeout: float = 60.0) -> base.ExecResult:
+        """Runs `bash -c cmd` in the repository root; see the module docstring for limits."""
+        done = self._exec(["bash", "-c", cmd], timeout, cap=self.max_output_bytes)
+        return base.ExecResult(exit_code=done.exit_code, output=done.stdout.text(),
+                               timed_out=done.timed_out, truncated=done.stdout.truncated)
+
+    def _checked(self, argv: list[str], what: str, stdin: bytes | None = None,
+                 timeout: float = 120.0) -> bytes:
+        done = self._exec(argv, timeout, stdin=stdin, merge=False)
+        if done.timed_out:
+            raise base.SandboxError(f"{what} timed out after {timeout}s")
+        if done.exit_code != 0:
+            raise _FailedCommand(bytes(done.stderr).decode(errors="replace").strip())
+        return bytes(done.stdout)
+
+    def read_file(self, path: str) -> str:
+        path = repo_relative(path)
+        try:
+            data = self._checked(["cat", "--", path], f"reading {path}")
+        except _FailedCommand as e:
+            raise _file_error(str(e), path) from None
+        return data.decode("utf-8", errors="replace")
+
+    def write_file(self, path: str, content: str) -> None:
+        path = repo_relative(path)
+        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+        try:
+            self._checked(["bash", "-c", script, "write", path], f"writing {path}",
+                          stdin=content.encode("utf-8"))
+        except _FailedCommand as e:
+            raise _file_error(str(e), path) from None
+
+    def patch(self) -> str:
+        """`git diff --binary` of the tree (untracked files included) against the base.
+
+        Decoded with errors="surrogateescape", so `apply_patch` restores non-UTF-8 bytes.
+        """
+        script = 'git add -A && git diff --cached --binary "$1"'
+        try:
+            data = self._checked(["bash", "-c", script, "patch", self.base_commit], "git diff")
+        except _FailedCommand as e:
+            raise base.SandboxError(f"git diff failed: {e}") from None
+        return data.decode("utf-8", errors="surrogateescape")
+
+    def apply_patch(self, patch: str) -> None:
+        if not patch.strip():
+            return
+        try:
+            self._checked(["git", "apply", "--whitespace=nowarn", "-"], "git apply",
+                          stdin=patch.encode("utf-8", errors="surrogateescape"))
+        except _FailedCommand as e:
+            raise ValueError(f"patch does not apply: {e}") from None
+
+    # -- teardown ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            running = list(self._running)
+        for proc in running:
+            _terminate(proc)
+        if self._uid is not None:
+            kill_uid_processes(self._uid)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class _FailedCommand(Exception):
+    pass
+
+
+def _file_error(message: str, path: str) -> OSError:
+    if "No such file" in message:
+        return FileNotFoundError(f"{path}: no such file in the repository")
+    if "Is a directory" in message:
+        return IsADirectoryError(f"{path} is a directory")
+    return OSError(f"{path}: {message}")
+
+
+def _collect(proc: subprocess.Popen, stdin: bytes | None, out, err: bytearray,
+             deadline: float) -> bool:
+    """Feeds stdin and drains stdout/stderr until both close; False past `deadline`."""
+    sel = selectors.DefaultSelector()
+    sinks = {proc.stdout.fileno(): out.add if isinstance(out, CappedOutput) else out.extend}
+    if proc.stderr is not None:
+        sinks[proc.stderr.fileno()] = err.extend
+    for fd in sinks:
+        sel.register(fd, selectors.EVENT_READ)
+    if stdin is not None:
+        writer = threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)
+        writer.start()
+    try:
+        while sinks:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            for key, _ in sel.select(min(remaining, 1.0)):
+                chunk = os.read(key.fd, 1 << 16)
+                if chunk:
+                    sinks[key.fd](chunk)
+                else:
+                    sel.unregister(key.fd)
+                    del sinks[key.fd]
+        return True
+    finally:
+        sel.close()
+        proc.stdout.close()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 4096):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _feed(pipe, data: bytes) -> None:
+    try:
+        pipe.write(data)
+        pipe.close()
+    except (BrokenPipeError, ValueError):
+        pass
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    """SIGTERM to the supervisor (it then kills the command's processes), SIGKILL if stuck."""
+    try:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    except ProcessLookupError:
+        pass
+
+
+def _chown_tree(root: str, uid: int) -> None:
+    for dirpath, dirnames, filenames in os.walk(root):
+        os.lchown(dirpath, uid, uid)
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+def uid_processes(uid: int) -> list[int]:
+    """Live (non-zombie) processes whose real uid is `uid`."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue
+        if fields["State"].split()[0] != "Z" and int(fields["Uid"].split()[0]) == uid:
+            found.append(int(name))
+    return found
+
+
+def kill_uid_processes(uid: int, rounds: int = 200) -> None:
+    """SIGKILLs every process of `uid` until none is left (only for a sandbox's own uid)."""
+    for _ in range(rounds):
+        pids = uid_processes(uid)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
