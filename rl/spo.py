@@ -165,7 +165,10 @@ class BetaTracker:
     def rows(self, task_ids: Sequence[str], insert: bool = False) -> np.ndarray:
         """Row of each id, int64[B]; -1 for unknown ids unless insert (then new rows)."""
         get = self._index.get
-        rows = np.fromiter((get(t, -1) for t in task_ids), np.int64, count=len(task_ids))
+        found = list(map(get, task_ids))
+        if None in found:
+            found = [-1 if row is None else row for row in found]
+        rows = np.array(found, np.int64)
         if insert:
             for i in np.flatnonzero(rows < 0):
                 row = get(task_ids[i])
