@@ -1,0 +1,317 @@
+"""A sandbox in a Docker container, one container per episode.
+
+The container runs `sleep infinity` as PID 1 with SIGCHLD ignored, so the kernel
+reaps every orphan at once (a plain `sleep` never reaps, and zombies would hold the
+pids limit) and PID 1 survives `kill -9 -1`. It has no network, and memory (no swap),
+CPU and pids limits. Each command runs as
+`timeout -s KILL N bash -c CMD` inside a wrapper that afterwards kills every other
+process in the container (`kill -9 -1`), so a call never leaves background processes
+behind (a fork bomb included) and the exec stream ends as soon as the command does.
+A host-side deadline of N + `HOST_GRACE_S` guards against a stuck engine.
+
+Every Docker failure (engine unreachable, container gone, API error) raises
+`SandboxError`; a missing file raises FileNotFoundError and a patch that does not
+apply raises ValueError, as for every backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import posixpath
+import select
+import shlex
+import struct
+import tarfile
+import time
+from collections.abc import Iterator, Mapping
+
+import docker
+import docker.errors
+import requests.exceptions
+
+from env.sandbox import base
+from env.sandbox.output import CappedOutput
+from env.sandbox.paths import repo_relative
+
+LABEL = "swe-rl.sandbox"
+HOST_GRACE_S = 30.0
+PID1 = ["bash", "-c", "trap '' CHLD; exec sleep infinity"]
+# $1 = timeout seconds, $2 = command. The wrapper's own stderr (bash's "Killed" job
+# notices, kill's complaints) goes to /dev/null; the command's stderr goes to fd 3.
+RUN_WRAPPER = (
+    'exec 3>&2 2>/dev/null; timeout -s KILL "$1" bash -c "$2" 2>&3 3>&-; rc=$?; '
+    "kill -9 -1; kill -9 -1; exit $rc"
+)
+GIT = "git -c safe.directory=* -c user.name=sandbox -c user.email=sandbox@localhost"
+GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
+PATCH_FILE = "/tmp/.sandbox.patch"
+
+
+def docker_host() -> str:
+    return os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+
+
+@contextlib.contextmanager
+def docker_errors(what: str) -> Iterator[None]:
+    """Turns every Docker SDK / transport failure inside the block into SandboxError."""
+    try:
+        yield
+    except docker.errors.ImageNotFound as e:
+        raise base.SandboxError(f"{what}: image not found ({e.explanation})") from e
+    except docker.errors.NotFound as e:
+        raise base.SandboxError(f"{what}: the container no longer exists ({e.explanation})") from e
+    except docker.errors.APIError as e:
+        raise base.SandboxError(f"{what}: docker engine error: {e.explanation or e}") from e
+    except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
+        raise base.SandboxError(f"{what}: docker engine at {docker_host()} failed: {e}") from e
+
+
+def connect(timeout: float = 60.0) -> docker.DockerClient:
+    """A client for the engine at $DOCKER_HOST (SandboxError naming it when unreachable)."""
+    with docker_errors("connecting to the docker engine"):
+        client = docker.from_env(timeout=timeout)
+        client.ping()
+    return client
+
+
+def remove_containers(labels: Mapping[str, str], client: docker.DockerClient | None = None) -> int:
+    """Force-removes every container carrying all of `labels`; returns how many."""
+    client = client or connect()
+    filters = {"label": [f"{k}={v}" for k, v in labels.items()]}
+    removed = 0
+    with docker_errors("removing labelled containers"):
+        for container in client.containers.list(all=True, filters=filters):
+            with contextlib.suppress(docker.errors.NotFound):
+                container.remove(force=True, v=True)
+                removed += 1
+    return removed
+
+
+class DockerSandbox(base.Sandbox):
+    """One container holding the task repository at `workdir`.
+
+    Args:
+      image: image name; its `workdir` holds the repository unless `repo_files` is given.
+      workdir: repository root inside the container (R2E-Gym / SWE-bench images: /testbed).
+      base_commit: commit `patch()` diffs against and the tree starts at (default HEAD;
+        a directory that is no git repo is committed as it is).
+      repo_files: path -> text content written to a fresh `workdir` and committed as base.
+      mem_limit: memory limit in bytes or a docker size string ("2g"); swap is disabled.
+      nano_cpus: CPU quota in 1e-9 CPUs.
+      pids_limit: maximum number of processes in the container.
+      max_output_bytes: cap on the output kept per `run` (head and tail halves).
+      labels: extra container labels (LABEL=1 is always set).
+      client: docker client (default: `connect()`).
+    """
+
+    def __init__(
+        self,
+        image: str,
+        workdir: str = "/testbed",
+        base_commit: str | None = None,
+        repo_files: Mapping[str, str] | None = None,
+        mem_limit: int | str = "2g",
+        nano_cpus: int = 2_000_000_000,
+        pids_limit: int = 256,
+        max_output_bytes: int = 1 << 20,
+        labels: Mapping[str, str] | None = None,
+        client: docker.DockerClient | None = None,
+    ):
+        if not posixpath.isabs(workdir):
+            raise ValueError(f"workdir must be an absolute path, got {workdir!r}")
+        if repo_files is not None and base_commit is not None:
+            raise ValueError("base_commit cannot be combined with repo_files (new history)")
+        self.workdir = workdir
+        self.max_output_bytes = max_output_bytes
+        self.container_id: str | None = None
+        self._client = client or connect()
+        with docker_errors(f"creating a container from {image}"):
+            container = self._client.containers.create(
+                image, PID1, detach=True, network_mode="none", mem_limit=mem_limit,
+                memswap_limit=mem_limit, nano_cpus=nano_cpus, pids_limit=pids_limit,
+                labels={LABEL: "1", **(labels or {})})
+        self.container_id = container.id
+        try:
+            with docker_errors("starting the container"):
+                container.start()
+            if repo_files is not None:
+                self._sh(f"mkdir -p -- {shlex.quote(workdir)}", "creating the workdir", cwd="/")
+                self._put_files(workdir, {repo_relative(p): c.encode() for p, c in
+                                          repo_files.items()})
+            self.base_commit = self._init_git(base_commit)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- setup ------------------------------------------------------------------------
+
+    def _init_git(self, base_commit: str | None) -> str:
+        probe = self._exec(["bash", "-c", f"cd -- {shlex.quote(self.workdir)} && "
+                            f"{GIT} rev-parse --is-inside-work-tree"], 60, cwd="/")
+        if probe[0] != 0 and b"cd:" in probe[2]:
+            raise ValueError(f"{self.workdir} does not exist in the container")
+        if probe[0] != 0:
+            if base_commit is not None:
+                raise ValueError(f"base_commit given but {self.workdir} is not a git repository")
+            self._sh(f"{GIT} init -q && {GIT} add -A && {GIT} commit -q --allow-empty "
+                     "--no-verify --no-gpg-sign -m base", "committing the base tree")
+        base_ref = shlex.quote(f"{base_commit or 'HEAD'}^{{commit}}")
+        code, out, err = self._exec(["bash", "-c", f"{GIT} rev-parse --verify {base_ref}"], 60)
+        if code != 0:
+            raise ValueError(f"base commit {base_commit!r} not found in {self.workdir}: "
+                             f"{_text(err)}")
+        sha = _text(out)
+        exclude = f'"$({GIT} rev-parse --git-dir)/info/exclude"'
+        self._sh(f'[ "$({GIT} rev-parse HEAD)" = {sha} ] || {GIT} checkout -q -f {sha}; '
+                 f"printf %s {shlex.quote(GIT_EXCLUDES)} >> {exclude}",
+                 "checking out the base commit")
+        return sha
+
+    # -- execution --------------------------------------------------------------------
+
+    def _exec(self, argv: list[str], timeout: float, cap: int | None = None,
+              cwd: str | None = None) -> tuple[int, CappedOutput | bytearray, bytearray]:
+        """Runs argv in the container; returns (exit code, stdout, stderr).
+
+        With a `cap`, stdout is a CappedOutput that stderr is interleaved into (the model
+        sees one stream) and the returned stderr is empty.
+        """
+        if self.container_id is None:
+            raise base.SandboxError("sandbox is closed")
+        api = self._client.api
+        out = CappedOutput(cap) if cap is not None else bytearray()
+        err = bytearray()
+        with docker_errors("running a command in the container"):
+            exec_id = api.exec_create(self.container_id, argv, workdir=cwd or self.workdir)["Id"]
+            sock = api.exec_start(exec_id, socket=True)
+            try:
+                deadline = time.monotonic() + timeout + HOST_GRACE_S
+                if not _read_frames(sock, out, out if cap is not None else err, deadline):
+                    raise base.SandboxError(f"the container did not finish a {timeout:.0f}s "
+                                            f"command within {HOST_GRACE_S:.0f}s of grace")
+            finally:
+                sock.close()
+            info = api.exec_inspect(exec_id)
+            for _ in range(100):  # the stream may end a moment before the exit is recorded
+                if not info["Running"]:
+                    break
+                time.sleep(0.01)
+                info = api.exec_inspect(exec_id)
+        if info["Running"] or info["ExitCode"] is None:
+            raise base.SandboxError(f"no exit code for {argv[0]!r} in the container")
+        return info["ExitCode"], out, err
+
+    def _sh(self, script: str, what: str, cwd: str | None = None) -> bytes:
+        code, out, err = self._exec(["bash", "-c", script], 120, cwd=cwd)
+        if code != 0:
+            raise base.SandboxError(f"{what} failed (exit {code}): {_text(err)}")
+        return bytes(out)
+
+    def _put_files(self, directory: str, files: Mapping[str, bytes], mode: int = 0o644) -> None:
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for path, data in files.items():
+                info = tarfile.TarInfo(path)
+                info.size, info.mode, info.mtime = len(data), mode, int(time.time())
+                tar.addfile(info, io.BytesIO(data))
+        with docker_errors("copying files into the container"):
+            ok = self._client.api.put_archive(self.container_id, directory, buf.getvalue())
+        if not ok:
+            raise base.SandboxError(f"copying files into {directory} failed")
+
+    def run(self, cmd: str, timeout: float = 60.0) -> base.ExecResult:
+        """Runs `bash -c cmd` in `workdir`; see the module docstring for limits and cleanup."""
+        start = time.monotonic()
+        code, out, _ = self._exec(["bash", "-c", RUN_WRAPPER, "sandbox", f"{timeout:g}", cmd],
+                                  timeout, cap=self.max_output_bytes)
+        # `timeout -s KILL` exits 137 (bash: 128 + SIGKILL); an OOM kill exits 137 too,
+        # but long before the deadline.
+        timed_out = code in (124, 137) and time.monotonic() - start >= timeout
+        return base.ExecResult(exit_code=-1 if timed_out else code, output=out.text(),
+                               timed_out=timed_out, truncated=out.truncated)
+
+    def read_file(self, path: str) -> str:
+        path = repo_relative(path)
+        code, out, err = self._exec(["cat", "--", path], 120)
+        if code != 0:
+            if b"No such file" in err:
+                raise FileNotFoundError(f"{path}: no such file in the repository")
+            if b"Is a directory" in err:
+                raise IsADirectoryError(f"{path} is a directory")
+            raise OSError(f"{path}: {_text(err)}")
+        return out.decode("utf-8", errors="replace")
+
+    def write_file(self, path: str, content: str) -> None:
+        path = repo_relative(path)
+        parent, name = posixpath.split(posixpath.join(self.workdir, path))
+        # Keep the mode of a file being overwritten (an executable script stays executable).
+        code, out, err = self._exec(["bash", "-c", 'mkdir -p -- "$1" && { stat -c %a -- "$2" '
+                                     "2>/dev/null || echo 644; }", "w", parent,
+                                     posixpath.join(parent, name)], 60)
+        if code != 0:
+            raise OSError(f"{path}: {_text(err)}")
+        self._put_files(parent, {name: content.encode("utf-8")}, mode=int(_text(out), 8))
+
+    def patch(self) -> str:
+        """`git diff --binary` of the tree (untracked files included) against the base.
+
+        Decoded with errors="surrogateescape", so `apply_patch` restores non-UTF-8 bytes.
+        """
+        diff = self._sh(f"{GIT} add -A && {GIT} diff --cached --binary {self.base_commit}",
+                        "git diff")
+        return diff.decode("utf-8", errors="surrogateescape")
+
+    def apply_patch(self, patch: str) -> None:
+        if not patch.strip():
+            return
+        self._put_files(posixpath.dirname(PATCH_FILE),
+                        {posixpath.basename(PATCH_FILE): patch.encode("utf-8", "surrogateescape")})
+        code, _, err = self._exec(["bash", "-c", f"{GIT} apply --whitespace=nowarn {PATCH_FILE}; "
+                                   f"rc=$?; rm -f {PATCH_FILE}; exit $rc"], 120)
+        if code != 0:
+            raise ValueError(f"patch does not apply: {_text(err)}")
+
+    # -- teardown ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Force-removes the container; retried by a later close() if the engine failed."""
+        if self.container_id is None:
+            return
+        with (docker_errors(f"removing container {self.container_id[:12]}"),
+              contextlib.suppress(docker.errors.NotFound)):
+                self._client.api.remove_container(self.container_id, force=True, v=True)
+        self.container_id = None
+
+
+def _text(data: bytes | bytearray) -> str:
+    return bytes(data).decode("utf-8", errors="replace").strip()
+
+
+def _read_frames(sock, out, err, deadline: float) -> bool:
+    """Demultiplexes docker's attach stream (8-byte headers: stream id, length) until EOF.
+
+    Returns False when `deadline` passes first.
+    """
+    raw = getattr(sock, "_sock", sock)
+    buf = bytearray()
+    sinks = {1: out.add if isinstance(out, CappedOutput) else out.extend,
+             2: err.add if isinstance(err, CappedOutput) else err.extend}
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        pending = getattr(raw, "pending", lambda: 0)()
+        if not pending and not select.select([raw], [], [], min(remaining, 1.0))[0]:
+            continue
+        chunk = raw.recv(1 << 16)
+        if not chunk:
+            return True
+        buf += chunk
+        while len(buf) >= 8:
+            stream, size = struct.unpack(">BxxxL", buf[:8])
+            if len(buf) < 8 + size:
+                break
+            sinks.get(stream, sinks[1])(bytes(buf[8 : 8 + size]))
+            del buf[: 8 + size]
