@@ -1,0 +1,207 @@
+"""A bounded, leak-proof set of live sandboxes for asyncio rollouts.
+
+    pool = make_pool("docker", max_concurrent=8, image="swe-sandbox:test")
+    async with pool:
+        async with pool.acquire({"repo_files": files}) as sb:
+            result = await pool.call(sb.run, "python3 -m unittest", 60)
+
+`acquire` waits for a free slot, creates the sandbox in a worker thread (retrying
+`SandboxError`, e.g. a busy engine, with exponential backoff) and closes it on exit
+from the block, whatever ends it. Every live sandbox is tracked; `close()` closes them
+all and runs `on_close` (for docker: remove any container labelled with this pool's
+id, covering one whose creation was cut short). All pools are also closed at
+interpreter exit and on SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextlib
+import functools
+import signal
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from env.sandbox import make_sandbox
+from env.sandbox.base import Sandbox, SandboxError
+
+POOL_LABEL = "swe-rl.pool"
+
+
+class SandboxPool:
+    """Creates sandboxes with `factory(spec)`, at most `max_concurrent` alive at once.
+
+    Attributes:
+      id: unique id of this pool; `labels` = {POOL_LABEL: id} for factories to attach.
+      peak: the largest number of sandboxes that were alive at the same time.
+    """
+
+    def __init__(self, factory: Callable[[Any], Sandbox], max_concurrent: int, *,
+                 retries: int = 3, backoff_s: float = 0.5,
+                 on_close: Callable[[], object] | None = None):
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        self.id = uuid.uuid4().hex[:12]
+        self.labels = {POOL_LABEL: self.id}
+        self.max_concurrent = max_concurrent
+        self.peak = 0
+        self._factory = factory
+        self._retries = retries
+        self._backoff_s = backoff_s
+        self._on_close = on_close
+        self._slots = asyncio.Semaphore(max_concurrent)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=2 * max_concurrent, thread_name_prefix=f"sandbox-{self.id}")
+        self._lock = threading.Lock()
+        self._live: dict[int, Sandbox] = {}
+        self._closed = False
+        _register(self)
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    # -- sandboxes --------------------------------------------------------------------
+
+    def _create(self, spec: Any) -> Sandbox:
+        for attempt in range(self._retries + 1):
+            if self._closed:
+                raise SandboxError("the sandbox pool is closed")
+            try:
+                sandbox = self._factory(spec)
+                break
+            except SandboxError:
+                if attempt == self._retries:
+                    raise
+                time.sleep(self._backoff_s * 2**attempt)
+        with self._lock:
+            self._live[id(sandbox)] = sandbox
+            self.peak = max(self.peak, len(self._live))
+            closed = self._closed
+        if closed:  # the pool closed while this one was being made
+            self._discard(sandbox)
+            raise SandboxError("the sandbox pool is closed")
+        return sandbox
+
+    def _discard(self, sandbox: Sandbox) -> None:
+        try:
+            sandbox.close()
+        finally:
+            with self._lock:
+                self._live.pop(id(sandbox), None)
+
+    @contextlib.asynccontextmanager
+    async def acquire(self, spec: Any = None) -> AsyncIterator[Sandbox]:
+        """Yields a fresh sandbox for `spec`; closes it when the block ends."""
+        async with self._slots:
+            created = self._executor.submit(self._create, spec)
+            try:
+                sandbox = await asyncio.wrap_future(created)
+            except asyncio.CancelledError:
+                created.add_done_callback(self._discard_result)
+                raise
+            try:
+                yield sandbox
+            finally:
+                await asyncio.shield(asyncio.wrap_future(
+                    self._executor.submit(self._discard, sandbox)))
+
+    def _discard_result(self, created: concurrent.futures.Future) -> None:
+        if not created.cancelled() and created.exception() is None:
+            self._discard(created.result())
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Runs a blocking sandbox call (e.g. `sb.run`) in the pool's worker threads."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    # -- teardown ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes every live sandbox, then runs `on_close`. Idempotent; safe from signals."""
+        with self._lock:
+            self._closed = True
+            live = list(self._live.values())
+        errors = []
+        for sandbox in live:
+            try:
+                self._discard(sandbox)
+            except Exception as e:  # noqa: BLE001 - close the others, then report
+                errors.append(e)
+        if self._on_close is not None:
+            self._on_close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if errors:
+            raise SandboxError(f"{len(errors)} sandbox(es) failed to close: {errors[0]}")
+
+    async def __aenter__(self) -> SandboxPool:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+
+def make_pool(backend: str, max_concurrent: int, *, retries: int = 3, backoff_s: float = 0.5,
+              **defaults: Any) -> SandboxPool:
+    """A pool of `make_sandbox(backend, **defaults, **spec)`; `spec` is a kwargs mapping.
+
+    Docker sandboxes get the pool's label, and closing the pool removes any container
+    carrying it.
+    """
+    holder: dict[str, SandboxPool] = {}
+
+    def factory(spec: Mapping[str, Any] | None) -> Sandbox:
+        kwargs = {**defaults, **(spec or {})}
+        if backend == "docker":
+            kwargs["labels"] = {**kwargs.get("labels", {}), **holder["pool"].labels}
+        return make_sandbox(backend, **kwargs)
+
+    on_close = None
+    if backend == "docker":
+        from env.sandbox.docker import remove_containers
+
+        def on_close():
+            remove_containers(holder["pool"].labels, defaults.get("client"))
+
+    pool = SandboxPool(factory, max_concurrent, retries=retries, backoff_s=backoff_s,
+                       on_close=on_close)
+    holder["pool"] = pool
+    return pool
+
+
+# -- process-wide cleanup -------------------------------------------------------------
+
+_POOLS: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
+_HOOKS: dict[str, Any] = {}  # "atexit": True once registered; "sigterm": the previous handler
+
+
+def close_all_pools() -> None:
+    """Closes every pool of this process (atexit and SIGTERM run this)."""
+    for pool in list(_POOLS):
+        with contextlib.suppress(Exception):
+            pool.close()
+
+
+def _on_sigterm(signum, frame) -> None:
+    close_all_pools()
+    previous = _HOOKS["sigterm"]
+    if callable(previous):
+        previous(signum, frame)
+    else:
+        raise SystemExit(128 + signum)
+
+
+def _register(pool: SandboxPool) -> None:
+    if "atexit" not in _HOOKS:
+        atexit.register(close_all_pools)
+        _HOOKS["atexit"] = True
+    # Signal handlers can only be installed from the main thread.
+    if "sigterm" not in _HOOKS and threading.current_thread() is threading.main_thread():
+        _HOOKS["sigterm"] = signal.signal(signal.SIGTERM, _on_sigterm)
+    _POOLS.add(pool)
