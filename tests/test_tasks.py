@@ -1,0 +1,120 @@
+"""Task schema and JSONL loader: SWE-bench and R2E-Gym rows, and errors naming line and field."""
+
+import json
+
+import pytest
+
+from env.tasks import (
+    PYTEST_TEST_COMMAND,
+    R2E_TEST_COMMAND,
+    TaskRowError,
+    load_tasks,
+    task_from_row,
+    task_to_row,
+)
+
+# Field names and value shapes as in princeton-nlp/SWE-bench rows (the lists are JSON strings).
+SWE_BENCH_ROW = {
+    "instance_id": "astropy__astropy-12907",
+    "repo": "astropy/astropy",
+    "base_commit": "d16bfe05a744909de4b27f5875fe0d4ed41ce607",
+    "patch": "diff --git a/astropy/modeling/separable.py b/astropy/modeling/separable.py\n",
+    "test_patch": "diff --git a/astropy/modeling/tests/test_separable.py "
+                  "b/astropy/modeling/tests/test_separable.py\n",
+    "problem_statement": "Modeling's `separability_matrix` does not compute separability...",
+    "hints_text": "",
+    "created_at": "2022-03-03T15:14:54Z",
+    "version": "4.3",
+    "FAIL_TO_PASS": '["astropy/modeling/tests/test_separable.py::test_separable[compound_model6]"]',
+    "PASS_TO_PASS": '["astropy/modeling/tests/test_separable.py::test_coord_matrix", '
+                    '"astropy/modeling/tests/test_separable.py::test_cdot"]',
+    "environment_setup_commit": "298ccb478e6bf092953bca67a3d29dc6c35f6752",
+    "image_name": "swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest",
+}
+
+# Field names as in R2E-Gym/R2E-Gym-Lite rows.
+R2E_ROW = {
+    "repo_name": "orange3",
+    "docker_image": "namanjain12/orange3_final:9d1ec8bd2b1a1e8b5a2e3e3ad8b5d2a3f0e7f1c4",
+    "commit_hash": "9d1ec8bd2b1a1e8b5a2e3e3ad8b5d2a3f0e7f1c4",
+    "problem_statement": "Title: Table.from_numpy fails on sparse input ...",
+    "expected_output_json": json.dumps({"TestTable.test_from_numpy": "PASSED",
+                                        "TestTable.test_sparse": "PASSED"}),
+    "parsed_commit_content": "{}",
+    "num_non_test_files": 1,
+}
+
+
+def _write(tmp_path, rows):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_swe_bench_row_parses_json_string_test_lists(tmp_path):
+    (task,) = load_tasks(_write(tmp_path, [SWE_BENCH_ROW]))
+    assert task.instance_id == "astropy__astropy-12907"
+    assert task.FAIL_TO_PASS == [
+        "astropy/modeling/tests/test_separable.py::test_separable[compound_model6]"]
+    assert task.PASS_TO_PASS == ["astropy/modeling/tests/test_separable.py::test_coord_matrix",
+                                 "astropy/modeling/tests/test_separable.py::test_cdot"]
+    assert task.gold_patch == SWE_BENCH_ROW["patch"]
+    assert task.test_patch == SWE_BENCH_ROW["test_patch"]
+    assert task.base_commit == SWE_BENCH_ROW["base_commit"]
+    assert task.image == SWE_BENCH_ROW["image_name"]
+    assert task.repo == "astropy/astropy"
+    assert task.test_command == PYTEST_TEST_COMMAND
+    assert task.expected_output is None
+    assert task.metadata["version"] == "4.3"
+
+
+def test_r2e_gym_row(tmp_path):
+    (task,) = load_tasks(_write(tmp_path, [R2E_ROW]))
+    assert task.image == R2E_ROW["docker_image"]
+    assert task.instance_id == R2E_ROW["docker_image"]
+    assert task.repo == "orange3"
+    assert task.workdir == "/testbed"
+    assert task.expected_output == {"TestTable.test_from_numpy": "PASSED",
+                                    "TestTable.test_sparse": "PASSED"}
+    assert task.test_command == R2E_TEST_COMMAND
+    assert "/root/run_tests.sh" in task.test_command
+    assert task.metadata["commit_hash"] == R2E_ROW["commit_hash"]
+
+
+def test_native_row_round_trip(tmp_path):
+    row = {"instance_id": "t1", "problem_statement": "fix it", "repo_files": {"a.py": "x = 1\n"},
+           "FAIL_TO_PASS": ["test_a.T.test_x"], "PASS_TO_PASS": [], "difficulty": 2,
+           "test_command": "python3 -m unittest -q {tests}", "split": "train"}
+    (task,) = load_tasks(_write(tmp_path, [row, ""]))
+    assert task.repo_files == {"a.py": "x = 1\n"} and task.difficulty == 2
+    assert task_from_row(task_to_row(task)) == task
+
+
+@pytest.mark.parametrize("row, line_field", [
+    ({k: v for k, v in SWE_BENCH_ROW.items() if k != "problem_statement"}, "problem_statement"),
+    ({**SWE_BENCH_ROW, "FAIL_TO_PASS": "[not json"}, "FAIL_TO_PASS"),
+    ({**SWE_BENCH_ROW, "PASS_TO_PASS": 7}, "PASS_TO_PASS"),
+    ({**SWE_BENCH_ROW, "FAIL_TO_PASS": "[1, 2]"}, "FAIL_TO_PASS"),
+    ({k: v for k, v in SWE_BENCH_ROW.items() if k != "image_name"}, "image"),
+    ({**R2E_ROW, "expected_output_json": "{oops"}, "expected_output_json"),
+    ({**SWE_BENCH_ROW, "difficulty": "hard"}, "difficulty"),
+    ({"problem_statement": "x", "repo_files": {"a.py": "1"}}, "instance_id"),
+    ({"instance_id": "t", "problem_statement": "x", "repo_files": {"a.py": 1}}, "repo_files"),
+])
+def test_bad_row_names_line_and_field(tmp_path, row, line_field):
+    path = _write(tmp_path, [SWE_BENCH_ROW, row])
+    with pytest.raises(TaskRowError) as err:
+        load_tasks(path)
+    assert f"{path}:2:" in str(err.value)
+    assert f"'{line_field}" in str(err.value)
+
+
+def test_invalid_json_line_is_named(tmp_path):
+    path = _write(tmp_path, [R2E_ROW, R2E_ROW, "{broken"])
+    with pytest.raises(TaskRowError, match=r"tasks\.jsonl:3: invalid JSON"):
+        load_tasks(path)
+
+
+def test_non_object_row(tmp_path):
+    with pytest.raises(TaskRowError, match=r":1: a row must be a JSON object"):
+        load_tasks(_write(tmp_path, ["[1, 2]"]))
