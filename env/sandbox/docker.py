@@ -32,6 +32,7 @@ import docker.errors
 import requests.exceptions
 
 from env.sandbox import base
+from env.sandbox.local import EXEC_ENV
 from env.sandbox.output import CappedOutput
 from env.sandbox.paths import repo_relative
 
@@ -184,7 +185,8 @@ class DockerSandbox(base.Sandbox):
         out = CappedOutput(cap) if cap is not None else bytearray()
         err = bytearray()
         with docker_errors("running a command in the container"):
-            exec_id = api.exec_create(self.container_id, argv, workdir=cwd or self.workdir)["Id"]
+            exec_id = api.exec_create(self.container_id, argv, workdir=cwd or self.workdir,
+                                      environment=EXEC_ENV)["Id"]
             sock = api.exec_start(exec_id, socket=True)
             try:
                 deadline = time.monotonic() + timeout + HOST_GRACE_S

@@ -43,6 +43,9 @@ SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
 GIT_IDENTITY = ["-c", "user.name=sandbox", "-c", "user.email=sandbox@localhost"]
 GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
+# Bytecode caches go stale when a file is rewritten within the mtime granularity at the
+# same size (an edit flipping `-` to `+`), and they would clutter patches.
+EXEC_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 # Dedicated uids are drawn from here; far above login (1000+) and subuid (100000+) ranges.
 UID_RANGE = (1_000_000_000, 1_500_000_000)
 # Extra wall time the supervisor gets beyond the command timeout before it counts as broken.
@@ -138,7 +141,7 @@ class LocalSandbox(base.Sandbox):
         os.makedirs(tmp)
         with open(os.path.join(home, ".gitconfig"), "w") as f:
             f.write("[user]\n\tname = sandbox\n\temail = sandbox@localhost\n")
-        env = {"PATH": SAFE_PATH, "HOME": home, "TMPDIR": tmp, "LANG": "C.UTF-8"}
+        env = {"PATH": SAFE_PATH, "HOME": home, "TMPDIR": tmp, "LANG": "C.UTF-8", **EXEC_ENV}
         env.update(extra or {})
         return env
 

@@ -1,0 +1,430 @@
+"""Sandbox backends against real processes and a real Docker engine.
+
+Each behaviour is checked on both backends: file hashes against hashlib, stray
+processes against the host's /proc (docker exec'd processes are host processes too),
+containers against the engine's own listing.
+"""
+
+import asyncio
+import hashlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from env.sandbox import SandboxError, make_sandbox
+from env.sandbox.local import LocalLimits, uid_processes
+from env.sandbox.pool import POOL_LABEL, SandboxPool, make_pool
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMAGE = os.environ.get("SANDBOX_IMAGE", "swe-sandbox:test")
+FILES = {
+    "calc.py": "def add(a, b):\n    return a - b\n",
+    "test_calc.py": textwrap.dedent("""\
+        import unittest
+        from calc import add
+
+        class T(unittest.TestCase):
+            def test_add(self):
+                self.assertEqual(add(2, 3), 5)
+        """),
+    "docs/readme.txt": "calculator\n",
+}
+
+
+@pytest.fixture(scope="session")
+def docker_image(request):
+    """The sandbox image, built with scripts/build_sandbox_image.sh when missing."""
+    if os.geteuid() == 0:  # start an engine when none answers (fresh CI machine)
+        subprocess.run([os.path.join(ROOT, "scripts", "start_dockerd.sh")], check=False)
+    client = request.getfixturevalue("docker_client")
+    import docker.errors
+
+    try:
+        client.images.get(IMAGE)
+    except docker.errors.ImageNotFound:
+        script = os.path.join(ROOT, "scripts", "build_sandbox_image.sh")
+        subprocess.run([script, IMAGE], check=True, timeout=1200)
+    return client, IMAGE
+
+
+@pytest.fixture(params=["local", "docker"])
+def make(request):
+    """make(**kwargs) -> a sandbox of the parametrised backend, closed after the test."""
+    if request.param == "docker":
+        client, image = request.getfixturevalue("docker_image")
+        defaults = {"image": image, "client": client, "mem_limit": "512m"}
+    else:
+        defaults = {"limits": LocalLimits(memory_bytes=1 << 30)}
+    made = []
+
+    def factory(**kwargs):
+        sandbox = make_sandbox(request.param, **{**defaults, **kwargs})
+        made.append(sandbox)
+        return sandbox
+
+    factory.backend = request.param
+    yield factory
+    for sandbox in made:
+        sandbox.close()
+
+
+def host_processes(marker: str) -> list[int]:
+    """Host pids whose command line contains `marker` (zombies have none)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and name != str(os.getpid()):
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(name))
+            except OSError:
+                pass
+    return found
+
+
+def marker_sleep() -> str:
+    """A `sleep` command no other process on the machine runs."""
+    return f"sleep {secrets.randbelow(10**6) + 10**6}.5"
+
+
+def tree_hashes(sandbox) -> dict[str, str]:
+    out = sandbox.run("find . -path ./.git -prune -o -type f -print0 | xargs -0 sha256sum").output
+    return {line[68:]: line[:64] for line in out.splitlines()}
+
+
+def test_round_trip(make):
+    sb = make(repo_files=FILES)
+    assert sb.read_file("docs/readme.txt") == "calculator\n"
+    assert sb.run("python3 -m unittest -q").exit_code != 0
+    sb.write_file("calc.py", "def add(a, b):\n    return a + b\n")
+    sb.write_file("new/dir/notes.md", "héllo ☃\n")
+    sb.run("git rm -q docs/readme.txt && printf '\\x00\\xff\\x01' > blob.bin")
+    res = sb.run("python3 -m unittest -q")
+    assert res.exit_code == 0, res.output
+    assert sb.read_file("new/dir/notes.md") == "héllo ☃\n"
+
+    # The diff is against the base commit even after the agent commits.
+    sb.run("git add -A && git -c user.name=a -c user.email=a@b commit -qm wip")
+    patch = sb.patch()
+    assert "+    return a + b" in patch and "GIT binary patch" in patch
+    assert "deleted file mode" in patch and "new/dir/notes.md" in patch
+    assert sb.patch() == patch
+
+    fresh = make(repo_files=FILES)
+    fresh.apply_patch(patch)
+    hashes = tree_hashes(fresh)
+    assert hashes == tree_hashes(sb)
+    assert hashes["calc.py"] == hashlib.sha256(b"def add(a, b):\n    return a + b\n").hexdigest()
+    assert hashes["blob.bin"] == hashlib.sha256(b"\x00\xff\x01").hexdigest()
+    assert "docs/readme.txt" not in hashes
+    assert fresh.patch() == patch
+    fresh.apply_patch("")  # an empty patch is a no-op
+
+
+def test_bad_input(make):
+    sb = make(repo_files=FILES)
+    with pytest.raises(ValueError, match="does not apply"):
+        sb.apply_patch("diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n"
+                       "@@ -1 +1 @@\n-no such line\n+x\n")
+    with pytest.raises(FileNotFoundError):
+        sb.read_file("missing.py")
+    for path in ["/etc/passwd", "../x", "a/../../x", ""]:
+        with pytest.raises(ValueError):
+            sb.read_file(path)
+        with pytest.raises(ValueError):
+            sb.write_file(path, "x")
+    assert sb.run("echo still fine").output == "still fine\n"
+
+
+def test_timeout_kills_and_sandbox_survives(make):
+    sb = make(repo_files=FILES)
+    sleep = marker_sleep()
+    start = time.monotonic()
+    res = sb.run(f"echo started; {sleep}", timeout=1)
+    assert res.timed_out and res.exit_code == -1
+    assert res.output == "started\n"
+    assert time.monotonic() - start < 5
+    assert host_processes(sleep) == []
+    ok = sb.run("echo ok")
+    assert (ok.exit_code, ok.output, ok.timed_out) == (0, "ok\n", False)
+
+
+def test_background_processes_do_not_outlive_the_call(make):
+    sb = make(repo_files=FILES)
+    sleep = marker_sleep()
+    start = time.monotonic()
+    res = sb.run(f"{sleep} & echo bg")
+    assert (res.exit_code, res.output, res.timed_out) == (0, "bg\n", False)
+    assert time.monotonic() - start < 1.5  # not held up by the background job's open pipe
+    assert host_processes(sleep) == []
+
+
+def test_output_cap_and_undecodable_bytes(make):
+    sb = make(repo_files=FILES, max_output_bytes=1000)
+    res = sb.run("echo first; head -c 200000 /dev/zero | tr '\\0' x; echo; echo last")
+    assert res.truncated and res.exit_code == 0
+    assert res.output.startswith("first\n") and res.output.endswith("last\n")
+    assert "bytes of output truncated" in res.output and len(res.output) < 1100
+    res = sb.run("printf 'a\\xffb\\n'; printf 'err\\n' >&2")
+    assert res.output == "a\ufffdb\nerr\n" and not res.truncated
+
+
+def test_fork_bomb_is_contained(make):
+    sb = make(repo_files=FILES, **({"pids_limit": 128} if make.backend == "docker" else
+                                   {"limits": LocalLimits(max_processes=128)}))
+    start = time.monotonic()
+    res = sb.run(":(){ :|:& };:; sleep 3", timeout=2)
+    assert time.monotonic() - start < 15
+    assert res.timed_out
+    after = sb.run("ps -e --no-headers | wc -l" if make.backend == "docker" else "echo ok")
+    assert after.exit_code == 0
+    if make.backend == "docker":
+        assert int(after.output) < 10  # pid 1, the wrapper, ps, wc
+    elif sb._uid is not None:  # root: commands ran as the sandbox's own uid
+        assert uid_processes(sb._uid) == []
+
+
+def test_memory_hog_is_contained(make):
+    sb = make(repo_files=FILES)
+    start = time.monotonic()
+    res = sb.run("python3 -c \"b = b'x' * (4 << 30); print('allocated')\"", timeout=60)
+    assert res.exit_code != 0 and not res.timed_out and "allocated" not in res.output
+    assert time.monotonic() - start < 30
+    assert sb.run("echo ok").output == "ok\n"
+
+
+def test_close_kills_running_command_and_removes_everything(make):
+    sb = make(repo_files=FILES)
+    sleep = marker_sleep()
+    result = {}
+
+    def long_run():
+        try:
+            result["res"] = sb.run(f"{sleep}", timeout=60)
+        except SandboxError as e:
+            result["err"] = e
+
+    thread = threading.Thread(target=long_run)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not host_processes(sleep) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert host_processes(sleep)
+    sb.close()
+    thread.join(10)
+    assert not thread.is_alive() and result
+    assert host_processes(sleep) == []
+    sb.close()  # idempotent
+    with pytest.raises(SandboxError):
+        sb.run("true")
+    if make.backend == "local":
+        assert not os.path.exists(sb.root)
+
+
+def test_local_scrubbed_environment(monkeypatch):
+    monkeypatch.setenv("SECRET_TOKEN", "hunter2")
+    with make_sandbox("local", repo_files=FILES) as sb:
+        env = sb.run("env").output
+        assert "hunter2" not in env and "LANG=C.UTF-8" in env
+        assert f"HOME={sb.root}/home" in env
+        if os.geteuid() == 0:  # commands run as the sandbox's own unprivileged uid
+            assert sb.run("id -u").output.strip() == str(sb._uid)
+            assert sb.run("cat /root/.bashrc /etc/shadow").exit_code != 0
+
+
+def test_local_from_repo_dir_at_base_commit(tmp_path):
+    src = tmp_path / "src"
+    with make_sandbox("local", repo_files=FILES) as first:
+        first.write_file("calc.py", "changed\n")
+        first.run("git add -A && git commit -qm second")
+        subprocess.run(["cp", "-r", first.repo, str(src)], check=True)
+        base = first.base_commit
+    with make_sandbox("local", repo_dir=str(src), base_commit=base) as sb:
+        assert sb.read_file("calc.py") == FILES["calc.py"]
+        assert sb.base_commit == base and sb.patch() == ""
+    with pytest.raises(ValueError, match="cannot check out"):
+        make_sandbox("local", repo_dir=str(src), base_commit="0" * 40)
+
+
+# -- docker only ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def docker_sb(docker_image):
+    client, image = docker_image
+    sb = make_sandbox("docker", image=image, client=client, repo_files=FILES)
+    yield client, sb
+    sb.close()
+
+
+def test_docker_has_no_network(docker_sb):
+    _, sb = docker_sb
+    res = sb.run("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 80), "
+                 "timeout=3)\"", timeout=20)
+    assert res.exit_code != 0 and "unreachable" in res.output
+
+
+def test_docker_killed_container_is_an_infrastructure_error(docker_sb):
+    client, sb = docker_sb
+    container_id = sb.container_id
+    client.api.kill(container_id)
+    with pytest.raises(SandboxError, match="not running|no longer exists"):
+        sb.run("echo hi")
+    sb.close()
+    assert client.containers.list(all=True, filters={"id": container_id}) == []
+
+
+def test_docker_repository_from_the_image(docker_image):
+    client, image = docker_image
+    with make_sandbox("docker", image=image, client=client, repo_files=FILES) as first:
+        first.write_file("calc.py", "changed\n")
+        first.run("git add -A && git -c user.name=a -c user.email=a@b commit -qm second")
+        base = first.base_commit
+        container = client.containers.get(first.container_id)
+        tagged = container.commit(repository="swe-sandbox-test-repo", tag=secrets.token_hex(4))
+    try:
+        with make_sandbox("docker", image=tagged.id, client=client, base_commit=base) as sb:
+            assert sb.read_file("calc.py") == FILES["calc.py"] and sb.patch() == ""
+        with pytest.raises(ValueError, match="workdir|does not exist"):
+            make_sandbox("docker", image=tagged.id, client=client, workdir="/nowhere")
+    finally:
+        client.images.remove(tagged.id, force=True)
+
+
+@pytest.mark.parametrize("host", ["unix:///nonexistent.sock", "tcp://127.0.0.1:1"])
+def test_unreachable_daemon_is_a_clear_sandbox_error(monkeypatch, host):
+    monkeypatch.setenv("DOCKER_HOST", host)
+    with pytest.raises(SandboxError, match=host.replace(".", r"\.")):
+        make_sandbox("docker", image=IMAGE)
+
+
+# -- pool -----------------------------------------------------------------------------
+
+
+def pool_for(backend, request, max_concurrent):
+    if backend == "docker":
+        client, image = request.getfixturevalue("docker_image")
+        return make_pool("docker", max_concurrent, image=image, client=client), client
+    return make_pool("local", max_concurrent), None
+
+
+def leftovers(pool, client, sandboxes, marker):
+    containers = []
+    if client is not None:
+        containers = client.containers.list(all=True,
+                                            filters={"label": f"{POOL_LABEL}={pool.id}"})
+    dirs = [sb.root for sb in sandboxes if hasattr(sb, "root") and os.path.exists(sb.root)]
+    return containers, host_processes(marker), dirs
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_pool_bounds_concurrency(backend, request):
+    pool, client = pool_for(backend, request, max_concurrent=2)
+    active, peak = 0, 0
+
+    async def episode(i):
+        nonlocal active, peak
+        async with pool.acquire({"repo_files": {"i.txt": f"{i}\n"}}) as sb:
+            active += 1
+            peak = max(peak, active)
+            res = await pool.call(sb.run, "sleep 0.3; cat i.txt")
+            active -= 1
+            return res.output
+
+    async def main():
+        async with pool:
+            return await asyncio.gather(*(episode(i) for i in range(5)))
+
+    assert asyncio.run(main()) == [f"{i}\n" for i in range(5)]
+    assert peak == 2 and pool.peak == 2 and pool.live == 0
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_pool_cleans_up_after_exceptions_and_cancellation(backend, request):
+    pool, client = pool_for(backend, request, max_concurrent=3)
+    sleep = marker_sleep()
+    seen = []
+
+    async def failing(i):
+        async with pool.acquire({"repo_files": FILES}) as sb:
+            seen.append(sb)
+            if i == 0:
+                await pool.call(sb.run, sleep, 60)  # cancelled by the failure below
+            await asyncio.sleep(0.5)
+            raise RuntimeError(f"episode {i} crashed")
+
+    async def main():
+        async with pool:
+            await asyncio.gather(*(failing(i) for i in range(3)))
+
+    with pytest.raises(RuntimeError, match="crashed"):
+        asyncio.run(main())
+    assert len(seen) == 3
+    assert leftovers(pool, client, seen, sleep) == ([], [], [])
+
+
+def test_pool_retries_transient_creation_errors():
+    failures = []
+
+    def flaky(spec):
+        if len(failures) < 2:
+            failures.append(1)
+            raise SandboxError("engine busy")
+        return make_sandbox("local", repo_files=spec)
+
+    pool = SandboxPool(flaky, max_concurrent=1, backoff_s=0.01)
+
+    async def main():
+        async with pool, pool.acquire(FILES) as sb:
+            return await pool.call(sb.read_file, "calc.py")
+
+    assert asyncio.run(main()) == FILES["calc.py"] and len(failures) == 2
+    with pytest.raises(ValueError):
+        SandboxPool(flaky, max_concurrent=0)
+
+
+@pytest.mark.parametrize("backend", ["local", "docker"])
+def test_pool_closes_everything_on_sigterm(backend, request, tmp_path):
+    args = {"local": "", "docker": f"image={IMAGE!r}"}[backend]
+    if backend == "docker":
+        _, _ = request.getfixturevalue("docker_image")
+    sleep = marker_sleep()
+    script = tmp_path / "episode.py"
+    script.write_text(textwrap.dedent(f"""\
+        import asyncio, sys
+        from env.sandbox.pool import make_pool
+        pool = make_pool({backend!r}, 2, {args})
+
+        async def episode():
+            async with pool.acquire({{"repo_files": {{"a": "b"}}}}) as sb:
+                print(pool.id, getattr(sb, "root", ""), flush=True)
+                await pool.call(sb.run, {sleep!r}, 60)
+
+        async def main():
+            await asyncio.gather(episode(), episode())
+
+        asyncio.run(main())
+        """))
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    lines = [proc.stdout.readline().split() for _ in range(2)]
+    deadline = time.monotonic() + 15
+    while len(host_processes(sleep)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(host_processes(sleep)) == 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    pool_id = lines[0][0]
+    assert host_processes(sleep) == []
+    if backend == "docker":
+        client = request.getfixturevalue("docker_client")
+        assert client.containers.list(all=True, filters={"label": f"{POOL_LABEL}={pool_id}"}) == []
+    else:
+        assert not any(os.path.exists(line[1]) for line in lines)
