@@ -106,3 +106,42 @@ def product(*axes: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
     """One sweep axis: `sweep("rl.lr", [1e-6, 3e-6])`."""
     return [{key: v} for v in values]
+
+
+# ------------------------------------------------------------------ shared sections
+
+
+def sglang_defaults() -> dict[str, Any]:
+    """The `engine.sglang` section: client of running servers, or servers to launch.
+
+    urls: servers already running; when empty and `launch` is true, one server per
+      entry of `ports` is started with `python -m sglang.launch_server` (see
+      inference.sglang.SGLangLauncher) and torn down at exit.
+    export_dir: where weights are written as HF safetensors for /update_weights_from_disk.
+    """
+    return dict(urls=(), launch=False, ports=(30000,), host="127.0.0.1", tp_size=1,
+                mem_fraction_static=0.85, extra_args=(), timeout_s=600.0, max_retries=5,
+                export_dir="", health_timeout_s=900.0)
+
+
+def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:
+    """The `ps` section: rl.prefix.PrefixConfig fields (seed 000 values) + `enabled`."""
+    return ConfigDict(dict(
+        enabled=enabled, low=0.3, high=0.7, remaining_ratio=0.25, prefix_ratio=0.25,
+        remaining_cap=0, prefix_cap=0,  # 0 = uncapped
+        max_share=0.5, max_age=2, reprefix=False, adaptive=adaptive, ema_alpha=0.05,
+        target=0.5, band=0.03, step_size=0.05, cooldown=5, ratio_min=0.05, ratio_max=0.95))
+
+
+def spo_defaults() -> ConfigDict:
+    """The `spo` section (seed 002 values). See rl.spo for the maths.
+
+    in_flight: rollouts kept running at once by the single-stream collector (more
+      than batch_tasks; the surplus carries over to the next step).
+    init_samples: n0 offline samples per prompt before training (0 = start from prior).
+    init_form: "reference" (alpha0 = N0 (s+0.5)/(n0+1), the default) or "paper".
+    """
+    return ConfigDict(dict(
+        rho_type="kl", d_half=0.06, rho_min=0.875, rho_max=0.96, prior=(1.0, 1.0),
+        max_stored_tokens=512, sampler_eps=0.05, pool_size=0, in_flight=96,
+        init_samples=0, init_form="reference"))

@@ -1,0 +1,97 @@
+"""The embedded default: a tiny Qwen3 learns to fix generated mini-SWE bugs on a CPU.
+
+Everything runs in one process: an embedded JAX sampler, local sandboxes, a BPE
+tokenizer trained on the generated tasks, an SFT warm start on scripted expert
+demonstrations, then RL with GRPO + rejection sampling and Prefix Sampling.
+
+    python train.py --workdir runs/default
+    python train.py --config configs/default.py:smoke --workdir /tmp/smoke
+    python train.py --config configs/default.py:baseline --workdir runs/grpo   # PS off
+    python train.py --config configs/default.py:spo --workdir runs/spo         # SPO
+    python train.py --config configs/default.py:seed=1,adaptive --workdir runs/ps_adaptive
+
+Options after the colon: smoke, baseline (Prefix Sampling off), spo, adaptive
+(adaptive prefix controller), seed=N, steps=N.
+"""
+
+import ml_collections
+
+from configs import common
+from rl import learner
+
+
+def get_config(arg=None):
+    arg = common.parse_arg(arg, smoke=False, baseline=False, spo=False, adaptive=False,
+                           seed=0, steps=0)
+    c = ml_collections.ConfigDict()
+    c.seed = arg.seed
+    c.total_steps = 40  # RL steps
+
+    c.model = dict(preset="tiny", hf_path="", hidden_size=192, intermediate_size=512,
+                   num_layers=3, num_heads=4, num_kv_heads=2, head_dim=48,
+                   max_position_embeddings=4096)
+    # The default tokenizer is a byte-level BPE trained on the generated tasks and
+    # demonstrations (deterministic); `path` takes a released tokenizer.json instead.
+    c.tokenizer = dict(path="", bpe_vocab_size=1024)
+    c.mesh = dict(data=1, fsdp=1, tensor=1)
+
+    c.engine = dict(kind="embedded", max_batch=64, max_len=2048,
+                    sglang=common.sglang_defaults())
+
+    c.env = dict(backend="local", tasks="miniswe", train_tasks=512, eval_tasks=64,
+                 difficulties=(0, 1), task_seed=1234, eval_seed=4321, image="",
+                 max_concurrent=16, tools_in_prompt=False)
+
+    c.rollout = dict(max_steps=6, max_turn_tokens=80, max_response_tokens=400,
+                     max_context=1536, wall_timeout_s=300.0, temperature=1.0, top_p=1.0,
+                     top_k=-1, test_timeout_s=30.0, env_retries=1)
+
+    c.algo = "grpo"  # "grpo" (group collection) or "spo" (single stream)
+    c.advantage = "grpo"  # rl.advantages name, for algo=grpo
+    c.reject_degenerate = True  # drop all-pass / all-fail groups
+    c.batch_tasks = 16  # tasks per RL step (grpo), prompts per step (spo)
+    c.group_size = 8  # rollouts per task (grpo)
+
+    c.ps = common.prefix_defaults(enabled=not arg.baseline, adaptive=arg.adaptive)
+    c.spo = common.spo_defaults()
+
+    c.learner = learner.default_config()
+    c.learner.seed = arg.seed
+    c.learner.optim.lr = 2e-5
+    c.learner.optim.warmup_steps = 0
+    c.learner.optim.weight_decay = 0.0
+    c.learner.loss.eps_low, c.learner.loss.eps_high = 0.2, 0.28
+    c.learner.row_buckets = (512, 1024, 2048)
+
+    c.sft = dict(steps=300, batch_size=32, lr=3e-3, warmup_steps=20, num_demos=1024,
+                 imperfect_share=0.3)
+
+    c.eval_every = 10
+    c.eval_temperature = 0.0  # greedy held-out evaluation
+    c.ckpt_every = 5
+    c.ckpt_keep = 2
+    c.log_texts_every = 10
+
+    if arg.spo:
+        c.algo = "spo"
+        c.ps.enabled = False
+        c.batch_tasks = 64
+        c.group_size = 1
+    if arg.smoke:
+        c.total_steps = 2
+        c.model.update(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=2,
+                       num_kv_heads=1, head_dim=32)
+        c.tokenizer.bpe_vocab_size = 512
+        c.env.update(train_tasks=16, eval_tasks=4)
+        c.rollout.update(max_steps=3, max_turn_tokens=48, max_response_tokens=144,
+                         max_context=1024)
+        c.batch_tasks, c.group_size = 2, 2
+        c.sft.update(steps=2, batch_size=4, num_demos=8)
+        c.eval_every, c.ckpt_every = 2, 1
+        c.learner.row_buckets = (1024,)
+        c.spo.in_flight = 6
+        if arg.spo:
+            c.batch_tasks = 4
+    if arg.steps:
+        c.total_steps = arg.steps
+    return common.lock(c)

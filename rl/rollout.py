@@ -1,0 +1,306 @@
+"""Multi-turn agent rollouts over an Engine and an Episode, token in, token out.
+
+One trajectory: render the system prompt and the task, then repeat {generate until
+a tool call closes or the turn ends; parse and step the environment; append the
+observation's ids}. The ids sent to and returned by the engine are stored as they
+are, so the learner trains on exactly what was sampled.
+
+Stop ids are `</tool_call>`, `<|im_end|>` and `<|endoftext|>`. When a turn stops at
+`</tool_call>`, the `<|im_end|>` that closes the assistant turn in the chat format
+is fed (not generated) at the start of the next observation.
+
+Budgets, each ending the trajectory with its status:
+  max_steps (Episode) -> "max_steps"; generated tokens or context length -> "truncated";
+  wall-clock -> "timeout"; sandbox failure -> "env_error" (never scored).
+Every trajectory that is not env_error is graded by the task's tests at the end.
+
+A trajectory can start from a prefix of another (Prefix Sampling, DESIGN section 4):
+the sandbox is restored to the state after step k, the source's first k turns are
+copied as `replayed` (their ids are prefilled as prompt, never decoded or trained)
+and the step counter and token budget continue from there.
+
+Collection modes: `collect_groups` (N rollouts per task, wait for all) and
+`StreamCollector` (keep more rollouts in flight than the batch needs, return the
+first B that finish, carry the rest into the next call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import dataclasses
+import functools
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+from env import episode as episode_lib
+from env.sandbox.base import SandboxError
+from env.tasks import Task
+from env.tools import TOOL_SCHEMAS
+from inference.engine import Engine, EngineError, GenerateRequest
+from models.tokenizer import TOOL_CALL_END, Tokenizer
+from rl.prefix import PrefixTask
+from rl.types import Trajectory, Turn
+
+SYSTEM_PROMPT = (
+    "You are a programming agent. Fix the issue in the repository by calling tools. "
+    "Call exactly one tool per turn. Call finish when the tests pass.")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """Budgets and sampling parameters of one trajectory.
+
+    max_steps: tool steps (one assistant turn each), replayed ones included.
+    max_turn_tokens: generated tokens in one assistant turn.
+    max_response_tokens: generated tokens in the whole trajectory (replayed included).
+    max_context: prompt + all turns, in tokens.
+    wall_timeout_s: seconds for the whole trajectory, grading excluded.
+    """
+
+    max_steps: int = 8
+    max_turn_tokens: int = 96
+    max_response_tokens: int = 512
+    max_context: int = 2048
+    wall_timeout_s: float = 300.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    test_timeout_s: float = 60.0
+    env_retries: int = 1  # env_error rollouts are re-run this many times
+    system_prompt: str = SYSTEM_PROMPT
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutJob:
+    task: Task
+    prefix: PrefixTask | None = None  # start from step k of a source (replayed)
+    seed: int = 0
+
+
+SandboxFactory = Callable[[Task], object]
+
+
+class Agent:
+    """Runs trajectories: one Engine, one tokenizer, sandboxes from a factory.
+
+    `max_concurrent_envs` bounds the number of live sandboxes (episodes) at once.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, sandbox_factory: SandboxFactory,
+                 cfg: RolloutConfig, max_concurrent_envs: int = 8, policy_version: int = 0,
+                 tools_in_prompt: bool = True):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.sandbox_factory = sandbox_factory
+        self.cfg = cfg
+        self.policy_version = policy_version
+        # The tool schemas in the system prompt (Qwen3's format); a model trained from
+        # scratch on these tasks can do without them and save the context.
+        self.tools = TOOL_SCHEMAS if tools_in_prompt else None
+        self._env_slots = asyncio.Semaphore(max_concurrent_envs)
+        self.stop_ids = sorted({tokenizer.special_ids[TOOL_CALL_END], tokenizer.eos_id,
+                                tokenizer.pad_id})
+
+    def with_sampling(self, **sampling) -> Agent:
+        """An agent sharing engine, tokenizer and sandbox slots, with other sampling
+        parameters (e.g. temperature=0 for greedy evaluation)."""
+        other = copy.copy(self)
+        other.cfg = dataclasses.replace(self.cfg, **sampling)
+        return other
+
+    async def run(self, job: RolloutJob) -> Trajectory:
+        """One trajectory; env_error ones are retried `cfg.env_retries` times."""
+        for attempt in range(self.cfg.env_retries + 1):
+            traj = await self._run_once(job, functools.partial(self._generate, job, attempt))
+            if not traj.is_env_error:
+                break
+        return traj
+
+    async def demonstrate(self, task: Task, actions: Sequence[str]) -> Trajectory:
+        """A trajectory whose turns are the given assistant texts (e.g. a scripted expert's
+        tool calls), with exactly the token layout of a rollout; logprobs are 0."""
+        script = iter(actions)
+
+        async def act(context, budget):
+            text = next(script, None)
+            if text is None:
+                return None
+            ids = self.tokenizer.encode(text)[:budget]
+            return ids, [0.0] * len(ids)
+
+        return await self._run_once(RolloutJob(task), act)
+
+    async def _generate(self, job: RolloutJob, attempt: int, context: list[int], budget: int):
+        cfg = self.cfg
+        request = GenerateRequest(
+            context, budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+            stop_token_ids=self.stop_ids, seed=_seed(job.seed, attempt, len(context)))
+        [result] = await self.engine.generate([request])
+        if result.finish_reason == "abort":
+            raise EngineError(f"engine aborted a request of task {job.task.instance_id}")
+        return result.output_ids, result.logprobs
+
+    async def _run_once(self, job: RolloutJob, act) -> Trajectory:
+        traj = Trajectory(task_id=job.task.instance_id, uid=uuid.uuid4().hex, turns=[],
+                          policy_version=self.policy_version)
+        timings = {"generate_s": 0.0, "env_s": 0.0, "grade_s": 0.0}
+        traj.timings = timings
+        async with self._env_slots:
+            t0 = time.perf_counter()
+            try:
+                episode, obs_ids = await asyncio.to_thread(self._start, job, traj)
+            except SandboxError as e:
+                traj.status, traj.error = "env_error", f"SandboxError: {e}"
+                return traj
+            timings["env_s"] += time.perf_counter() - t0
+            try:
+                await self._loop(traj, episode, obs_ids, act)
+                if traj.status != "env_error":
+                    t0 = time.perf_counter()
+                    traj.reward = await asyncio.to_thread(episode.reward)
+                    timings["grade_s"] += time.perf_counter() - t0
+                    if episode.status == "env_error":
+                        traj.status, traj.error = "env_error", episode.error
+            finally:
+                await asyncio.to_thread(episode.close)
+        return traj
+
+    def _start(self, job: RolloutJob, traj: Trajectory):
+        """A ready episode and the ids to feed before the first generated turn."""
+        kwargs = {"max_steps": self.cfg.max_steps, "test_timeout": self.cfg.test_timeout_s}
+        if job.prefix is None:
+            episode = episode_lib.Episode(self.sandbox_factory, job.task, **kwargs)
+            first = episode.reset()
+            if episode.status == "env_error":
+                raise SandboxError(episode.error)
+            return episode, self.tokenizer.prompt_ids(self.cfg.system_prompt, first,
+                                                      self.tools)
+        p = job.prefix
+        records = [episode_lib.StepRecord(t.tool_call, t.observation, t.patch)
+                   for t in p.turns]
+        episode, _ = episode_lib.restore(job.task, records, p.k, self.sandbox_factory,
+                                         **kwargs)
+        traj.turns = [dataclasses.replace(t, replayed=True) for t in p.turns]
+        traj.prefix = p.info
+        # The source's own ids for the observation after step k: the restored prompt is
+        # token-for-token the source's context at that point.
+        return episode, list(p.next_obs_ids)
+
+    async def _loop(self, traj: Trajectory, episode, obs_ids: list[int], act) -> None:
+        cfg, tok, timings = self.cfg, self.tokenizer, traj.timings
+        context = [i for t in traj.turns for i in (*t.obs_ids, *t.action_ids)]
+        generated = sum(len(t.action_ids) for t in traj.turns)
+        deadline = time.monotonic() + cfg.wall_timeout_s
+        while True:
+            context += obs_ids
+            budget = min(cfg.max_turn_tokens, cfg.max_response_tokens - generated,
+                         cfg.max_context - len(context))
+            if budget < 1:
+                traj.status = "truncated"
+                return
+            t0 = time.perf_counter()
+            try:
+                action = await asyncio.wait_for(act(list(context), budget),
+                                                deadline - time.monotonic())
+            except TimeoutError:
+                traj.status = "timeout"
+                return
+            timings["generate_s"] += time.perf_counter() - t0
+            if action is None:  # a script that ran out of actions
+                traj.status = "max_steps"
+                return
+            turn = Turn(list(obs_ids), list(action[0]), list(action[1]))
+            traj.turns.append(turn)
+            context += turn.action_ids
+            generated += len(turn.action_ids)
+            t0 = time.perf_counter()
+            observation, done = await asyncio.to_thread(episode.step,
+                                                        tok.decode(turn.action_ids))
+            timings["env_s"] += time.perf_counter() - t0
+            if episode.status == "env_error":
+                traj.status, traj.error = "env_error", episode.error
+                return
+            record = episode.steps[-1]
+            turn.tool_call, turn.observation, turn.patch = (
+                record.tool_call, record.observation, record.patch)
+            if done:
+                traj.status = episode.status
+                return
+            if time.monotonic() > deadline:
+                traj.status = "timeout"
+                return
+            obs_ids = tok.tool_response_ids(observation)
+            if not turn.action_ids or turn.action_ids[-1] != tok.eos_id:
+                obs_ids = [tok.eos_id, *obs_ids]  # close the assistant turn
+
+
+def _seed(base: int, attempt: int, turn: int) -> int:
+    return (base * 1_000_003 + attempt * 7919 + turn) % (2**31 - 1)
+
+
+async def collect_groups(agent: Agent, jobs: Sequence[RolloutJob], n: int,
+                         progress: Callable[[int], None] | None = None,
+                         ) -> list[list[Trajectory]]:
+    """N rollouts of every job, all awaited. Returns one group per job, in order."""
+
+    async def one(job: RolloutJob, i: int) -> Trajectory:
+        traj = await agent.run(dataclasses.replace(job, seed=job.seed * 1009 + i))
+        if progress is not None:
+            progress(1)
+        return traj
+
+    flat = await asyncio.gather(*(one(job, i) for job in jobs for i in range(n)))
+    return [list(flat[j * n:(j + 1) * n]) for j in range(len(jobs))]
+
+
+class StreamCollector:
+    """Single-stream collection: `in_flight` rollouts run at once; `collect(B)` returns
+    the first B that finish; the others keep running and count for the next call.
+
+    Trajectories that finish later were sampled partly under older weights; their
+    stored sampler log-probs keep the importance ratio correct.
+    """
+
+    def __init__(self, agent: Agent, next_job: Callable[[], RolloutJob], in_flight: int):
+        if in_flight < 1:
+            raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+        self.agent = agent
+        self.next_job = next_job
+        self.in_flight = in_flight
+        self._running: set[asyncio.Task] = set()
+
+    def _top_up(self) -> None:
+        while len(self._running) < self.in_flight:
+            self._running.add(asyncio.create_task(self.agent.run(self.next_job())))
+
+    async def collect(self, batch_size: int,
+                      progress: Callable[[int], None] | None = None) -> list[Trajectory]:
+        done: list[Trajectory] = []
+        while len(done) < batch_size:
+            self._top_up()
+            finished, self._running = await asyncio.wait(
+                self._running, return_when=asyncio.FIRST_COMPLETED)
+            for task in finished:
+                done.append(task.result())
+                if progress is not None:
+                    progress(1)
+        # Extra finishers beyond B stay for the next batch, in finishing order.
+        extra, done = done[batch_size:], done[:batch_size]
+        for traj in extra:
+            self._running.add(_completed(traj))
+        return done
+
+    async def close(self) -> None:
+        for task in self._running:
+            task.cancel()
+        await asyncio.gather(*self._running, return_exceptions=True)
+        self._running.clear()
+
+
+def _completed(traj: Trajectory) -> asyncio.Task:
+    async def value() -> Trajectory:
+        return traj
+
+    return asyncio.ensure_future(value())

@@ -1,0 +1,355 @@
+"""Builders and small reporting helpers for train.py, one per config section.
+
+train.py reads top to bottom; what each of its sections needs from a config lives
+here so that the entry point stays a page of wiring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import tqdm
+from flax import nnx
+
+from env import miniswe
+from env.tasks import Task, load_tasks
+from models import qwen3
+from models.tokenizer import Tokenizer, train_bpe
+from rl import learner, prefix
+from rl.rollout import Agent, RolloutJob
+from rl.types import Trajectory, Turn
+
+# ------------------------------------------------------------------ tasks
+
+
+def tasks(env_cfg) -> tuple[list[Task], list[Task]]:
+    """(train, held-out eval) tasks: generated mini-SWE, or JSONL files `train|eval`."""
+    if env_cfg.tasks == "miniswe":
+        diffs = tuple(env_cfg.difficulties)
+        train = miniswe.generate_tasks(env_cfg.train_tasks, env_cfg.task_seed, diffs)
+        held_out = miniswe.generate_tasks(env_cfg.eval_tasks, env_cfg.eval_seed, diffs)
+        seen = {t.problem_statement for t in train}
+        held_out = [t for t in held_out if t.problem_statement not in seen]
+        return train, held_out
+    train_path, _, eval_path = env_cfg.tasks.partition("|")
+    train = load_tasks(train_path)
+    held_out = load_tasks(eval_path) if eval_path else []
+    if env_cfg.train_tasks:
+        train = train[:env_cfg.train_tasks]
+    if env_cfg.eval_tasks:
+        held_out = held_out[:env_cfg.eval_tasks]
+    if env_cfg.image:
+        for t in (*train, *held_out):
+            t.image = t.image or env_cfg.image
+    return train, held_out
+
+
+# ------------------------------------------------------------------ tokenizer
+
+
+def tokenizer_corpus(train_tasks: Sequence[Task]) -> Iterator[str]:
+    """Text the default BPE is trained on: the training repositories, statements and
+    the expert's tool calls (never the held-out tasks)."""
+    for task in train_tasks:
+        yield task.problem_statement
+        yield from (task.repo_files or {}).values()
+        yield "\n".join(miniswe.expert_actions_text(miniswe.expert_demo(task)))
+
+
+def tokenizer(config, workdir: str, train_tasks: Sequence[Task]) -> Tokenizer:
+    """A released tokenizer.json, or the BPE trained on the tasks (saved in the workdir
+    on first use, so a resumed run tokenizes exactly as before)."""
+    if config.tokenizer.path:
+        return Tokenizer.from_file(config.tokenizer.path)
+    path = os.path.join(workdir, "tokenizer.json")
+    if os.path.exists(path):
+        return Tokenizer.from_file(path)
+    tok = train_bpe(tokenizer_corpus(train_tasks), config.tokenizer.bpe_vocab_size)
+    tok.save(path)
+    return tok
+
+
+# ------------------------------------------------------------------ model
+
+_MODEL_KEYS = {f.name for f in dataclasses.fields(qwen3.Qwen3Config)}
+
+
+def model_config(model_cfg, vocab_size: int | None) -> qwen3.Qwen3Config:
+    """The preset with the config's overrides; from-scratch models take the tokenizer's
+    vocabulary, rounded up to a multiple of 64 (ids past it are never produced)."""
+    if model_cfg.hf_path:
+        from models import hf_io
+
+        return hf_io.load_config(model_cfg.hf_path, dtype=model_cfg.get("dtype", "float32"))
+    if model_cfg.preset not in qwen3.PRESETS:
+        raise KeyError(f"unknown model preset {model_cfg.preset!r}; known: "
+                       f"{sorted(qwen3.PRESETS)}")
+    overrides = {k: v for k, v in model_cfg.items() if k in _MODEL_KEYS}
+    if vocab_size is not None:
+        overrides["vocab_size"] = -(-vocab_size // 64) * 64
+    return dataclasses.replace(qwen3.PRESETS[model_cfg.preset], **overrides)
+
+
+def model(model_cfg, cfg: qwen3.Qwen3Config, mesh, seed: int) -> qwen3.Qwen3:
+    """Loads HF weights straight into their shardings, or initialises from `seed`."""
+    if model_cfg.hf_path:
+        from models import hf_io
+
+        return hf_io.load_hf(model_cfg.hf_path, mesh=mesh, dtype=cfg.dtype,
+                             param_dtype=cfg.param_dtype)[1]
+    return qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
+
+
+def engine_params(params):
+    """A copy of the learner's parameters for the engine (train_step donates its state)."""
+    return jax.tree.map(jnp.copy, params)
+
+
+# ------------------------------------------------------------------ engine
+
+
+def engine(config, graphdef, params, workdir: str):
+    """The embedded JAX sampler, or a client of SGLang servers (launched if asked)."""
+    if config.engine.kind == "embedded":
+        from inference.embedded import EmbeddedEngine
+
+        return EmbeddedEngine((graphdef, engine_params(params)),
+                              max_batch=config.engine.max_batch, max_len=config.engine.max_len,
+                              seed=config.seed)
+    if config.engine.kind == "sglang":
+        from inference import sglang
+
+        return sglang.from_config(config, workdir)
+    raise ValueError(f"engine.kind must be 'embedded' or 'sglang', got {config.engine.kind!r}")
+
+
+# ------------------------------------------------------------------ environment
+
+
+def sandbox_factory(env_cfg) -> Callable[[Task], Any]:
+    """task -> a fresh sandbox of the configured backend holding the task's repository.
+
+    local: the task's repo_files or repo_dir. docker: the task's image (R2E-Gym /
+    SWE-bench style, repo at task.workdir), or `env.image` with the task's files
+    written into it (generated tasks).
+    """
+    from env.sandbox import make_sandbox
+
+    def make(task: Task):
+        if env_cfg.backend == "local":
+            if task.repo_files is not None:
+                return make_sandbox("local", repo_files=task.repo_files)
+            if task.repo_dir:
+                return make_sandbox("local", repo_dir=task.repo_dir,
+                                    base_commit=task.base_commit or None)
+            raise ValueError(f"task {task.instance_id!r} has no local source (repo_files or "
+                             "repo_dir); run it with env.backend='docker'")
+        if env_cfg.backend == "docker":
+            if task.image:
+                return make_sandbox("docker", image=task.image, workdir=task.workdir)
+            if not env_cfg.image:
+                raise ValueError(f"task {task.instance_id!r} names no image and env.image is "
+                                 "empty")
+            return make_sandbox("docker", image=env_cfg.image, workdir=task.workdir,
+                                repo_files=task.repo_files)
+        raise ValueError(f"env.backend must be 'local' or 'docker', got {env_cfg.backend!r}")
+
+    return make
+
+
+# ------------------------------------------------------------------ Prefix Sampling / SPO
+
+
+def prefix_config(ps_cfg) -> prefix.PrefixConfig:
+    fields = {f.name for f in dataclasses.fields(prefix.PrefixConfig)}
+    kw = {k: v for k, v in ps_cfg.items() if k in fields}
+    kw["remaining_cap"] = ps_cfg.remaining_cap or None
+    kw["prefix_cap"] = ps_cfg.prefix_cap or None
+    return prefix.PrefixConfig(**kw)
+
+
+def tracker_kwargs(spo_cfg) -> dict[str, Any]:
+    return dict(rho_type=spo_cfg.rho_type, d_half=spo_cfg.d_half, rho_min=spo_cfg.rho_min,
+                rho_max=spo_cfg.rho_max, rho_constant=spo_cfg.rho_min,
+                prior=tuple(spo_cfg.prior), max_stored_tokens=spo_cfg.max_stored_tokens)
+
+
+def spo_job_stream(sampler, pool: Sequence[str], task_by_id: dict[str, Task], chunk: int,
+                   rng: np.random.Generator) -> Callable[[], RolloutJob]:
+    """An endless stream of single-rollout jobs drawn by the prioritised sampler in
+    chunks of `chunk` ids (weights re-read from the tracker at every chunk)."""
+    pending: list[str] = []
+    counter = iter(range(1 << 62))
+
+    def next_job() -> RolloutJob:
+        if not pending:
+            pending.extend(sampler.sample(pool, min(chunk, len(pool))))
+        return RolloutJob(task_by_id[pending.pop(0)], seed=int(rng.integers(1 << 30))
+                          + next(counter))
+
+    return next_job
+
+
+def window_trajectory(ids, mask) -> Trajectory:
+    """A token window (ids[T], mask[T]) as a trajectory whose token_arrays() give back the
+    same ids and mask: runs of mask 0 become observations, runs of 1 actions. Lets the
+    learner's packer and compute_logprobs score SPO's stored responses."""
+    ids, mask = np.asarray(ids).tolist(), np.asarray(mask, bool)
+    turns, i = [], 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and not mask[j]:
+            j += 1
+        k = j
+        while k < len(ids) and mask[k]:
+            k += 1
+        turns.append(Turn(ids[i:j], ids[j:k], [0.0] * (k - j)))
+        i = k
+    return Trajectory(task_id="window", uid="window", turns=turns)
+
+
+# ------------------------------------------------------------------ warm start
+
+
+async def demonstrations(config, agent: Agent) -> list[Trajectory]:
+    """Scripted expert demonstrations on training tasks, a share of them imperfect,
+    rendered through the agent's own loop (identical token layout)."""
+    import random
+
+    from rl.sampler import TaskSampler
+
+    train, _ = tasks(config.env)
+    rng = random.Random(config.seed)
+    chosen = TaskSampler(train, seed=config.seed).next(config.sft.num_demos)
+    scripts = []
+    for task in chosen:
+        demo = miniswe.expert_demo(task, imperfect=rng.random() < config.sft.imperfect_share,
+                                   rng=rng)
+        scripts.append((task, miniswe.expert_actions_text(demo)))
+    with progress(len(scripts), "demonstrations") as bar:
+        async def one(task, actions):
+            traj = await agent.demonstrate(task, actions)
+            bar.update(1)
+            return traj
+        import asyncio
+
+        demos = await asyncio.gather(*(one(t, a) for t, a in scripts))
+    return [d for d in demos if not d.is_env_error and d.num_generated_tokens]
+
+
+def sft_learner_config(config):
+    cfg = config.learner.copy_and_resolve_references()
+    cfg.optim.lr = config.sft.lr
+    cfg.optim.warmup_steps = config.sft.warmup_steps
+    return cfg
+
+
+# ------------------------------------------------------------------ reporting
+
+
+@contextlib.contextmanager
+def progress(total: int, desc: str):
+    """A progress bar on stderr for long phases (silent when stderr is not a terminal)."""
+    bar = tqdm.tqdm(total=total, desc=desc, leave=False, file=sys.stderr,
+                    disable=not sys.stderr.isatty())
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+def rollout_metrics(trajs: Sequence[Trajectory], groups: Sequence[Sequence[Trajectory]]
+                    ) -> dict[str, float]:
+    """Pass rate, solve_none / partial / all, statuses and lengths of one step's rollouts."""
+    scored = [t for t in trajs if not t.is_env_error and t.reward is not None]
+    m: dict[str, float] = {"rollout/trajectories": len(trajs),
+                           "rollout/env_errors": len(trajs) - len(scored)}
+    if scored:
+        m["rollout/pass_rate"] = float(np.mean([t.reward for t in scored]))
+        m["rollout/steps_mean"] = float(np.mean([t.num_steps for t in scored]))
+        m["rollout/generated_tokens_mean"] = float(np.mean([t.num_generated_tokens
+                                                            for t in scored]))
+    for status in ("finished", "max_steps", "truncated", "timeout"):
+        m[f"rollout/status_{status}"] = sum(t.status == status for t in trajs)
+    rewards = [[t.reward for t in g if not t.is_env_error and t.reward is not None]
+               for g in groups]
+    rewards = [r for r in rewards if r]
+    m["rollout/solve_none"] = sum(max(r) == 0 for r in rewards)
+    m["rollout/solve_all"] = sum(min(r) == 1 for r in rewards)
+    m["rollout/solve_partial"] = len(rewards) - m["rollout/solve_none"] - m["rollout/solve_all"]
+    gen = [t.timings.get("generate_s", 0.0) for t in trajs]
+    env = [t.timings.get("env_s", 0.0) + t.timings.get("grade_s", 0.0) for t in trajs]
+    m["time/generate_s_sum"], m["time/env_s_sum"] = float(sum(gen)), float(sum(env))
+    return m
+
+
+def histograms(groups: Sequence[Sequence[Trajectory]]) -> dict[str, np.ndarray]:
+    rates = [np.mean([t.reward for t in g if t.reward is not None]) for g in groups
+             if any(t.reward is not None for t in g)]
+    lengths = [t.num_generated_tokens for g in groups for t in g]
+    return {"rollout/task_pass_rate": np.asarray(rates, np.float64),
+            "rollout/generated_tokens": np.asarray(lengths, np.float64)}
+
+
+def console_line(step: int, m: dict[str, float]) -> str:
+    get = lambda k, default=float("nan"): m.get(k, default)
+    env_share = get("time/env_s_sum", 0.0) / max(
+        get("time/env_s_sum", 0.0) + get("time/generate_s_sum", 0.0), 1e-9)
+    line = (f"step {step:4d} | pass {get('rollout/pass_rate'):.3f} | "
+            f"none/partial/all {get('rollout/solve_none', 0):.0f}/"
+            f"{get('rollout/solve_partial', 0):.0f}/{get('rollout/solve_all', 0):.0f} | "
+            f"tok/s {get('rollout/generated_tokens_per_s', 0):.0f} | "
+            f"rollout {get('time/rollout_s', 0):.1f}s (env {env_share:.0%}) "
+            f"learner {get('time/learner_s', 0):.1f}s sync {get('time/sync_s', 0):.2f}s")
+    if "ps/prefix_tasks/too_hard" in m:
+        line += (f" | prefix tasks {m['ps/prefix_tasks/too_hard']:.0f}+"
+                 f"{m['ps/prefix_tasks/too_easy']:.0f}")
+    if "eval/pass_rate" in m:
+        line += f" | eval {m['eval/pass_rate']:.3f}"
+    return line
+
+
+# ------------------------------------------------------------------ dry run
+
+
+def dry_run(config) -> dict[str, Any]:
+    """Builds everything that needs no remote service or weights: the model's abstract
+    parameters and optimizer state, the mesh plan, Prefix Sampling / SPO state, the
+    rollout budgets and (for SGLang) the server command line. Returns a summary."""
+    from rl.rollout import RolloutConfig
+
+    vocab = None if config.model.hf_path else config.tokenizer.get("bpe_vocab_size", None)
+    if config.model.hf_path and not os.path.exists(config.model.hf_path):
+        cfg = dataclasses.replace(qwen3.PRESETS[config.model.preset],
+                                  **{k: v for k, v in config.model.items() if k in _MODEL_KEYS})
+    else:
+        cfg = model_config(config.model, vocab)
+    abstract = nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
+    _, state = learner.abstract_train_state(abstract, config.learner)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    opt_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                    for x in jax.tree.leaves(state.opt_state))
+    RolloutConfig(**config.rollout)
+    pcfg = prefix_config(config.ps)
+    prefix.AdaptiveController.from_config(pcfg)
+    from rl import spo
+
+    spo.BetaTracker(**tracker_kwargs(config.spo))
+    summary = {"model": dataclasses.asdict(cfg), "params": n_params,
+               "optimizer_state_bytes": opt_bytes, "mesh": dict(config.mesh),
+               "algo": config.algo, "batch_tasks": config.batch_tasks,
+               "group_size": config.group_size, "prefix_sampling": bool(config.ps.enabled),
+               "engine": config.engine.kind, "env_backend": config.env.backend}
+    if config.engine.kind == "sglang":
+        from inference import sglang
+
+        summary["sglang_commands"] = [" ".join(c) for c in sglang.launch_commands(config)]
+    return summary
