@@ -1,0 +1,230 @@
+"""EmbeddedEngine against the full forward pass, the log-prob kernel and a naive sampler."""
+
+import asyncio
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from inference.embedded import EmbeddedEngine
+from inference.engine import GenerateRequest
+from inference.sampling import sample_tokens, truncation_mask
+from kernels.logprob.api import token_logprobs
+from models.qwen3 import Qwen3, Qwen3Config
+
+CFG = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
+                  tie_word_embeddings=False)
+REF_LEN = 64
+
+
+def tiny_model(seed: int) -> Qwen3:
+    """Random tiny Qwen3 with a scaled-up output head: next-token distributions with a
+    clear mode (max prob ~0.2) that sampling still often leaves."""
+    model = Qwen3(CFG, rngs=nnx.Rngs(seed))
+    model.lm_head_proj.kernel[...] = model.lm_head_proj.kernel[...] * 14.0
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = EmbeddedEngine(model, max_batch=32, max_len=64, seed=0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def forward(model):
+    """Full (cache-free) forward of one sequence padded to REF_LEN -> hidden [REF_LEN, d]."""
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    @jax.jit
+    def run(params, tokens, segment_ids):
+        m = nnx.merge(graphdef, params)
+        return m(tokens[None], jnp.arange(REF_LEN)[None], segment_ids[None])[0], m.lm_head()
+
+    def call(ids):
+        tokens = np.zeros(REF_LEN, np.int32)
+        tokens[:len(ids)] = ids
+        segment_ids = (np.arange(REF_LEN) < len(ids)).astype(np.int32)
+        return run(params, jnp.asarray(tokens), jnp.asarray(segment_ids))
+
+    return call
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, CFG.vocab_size, length).tolist()
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forward(engine, forward):
+    ids = prompt(1, 7)
+    (res,) = run(engine.generate([GenerateRequest(ids, 12, temperature=0.0)]))
+    seq = list(ids)
+    for _ in range(12):
+        hidden, head = forward(seq)
+        seq.append(int(jnp.argmax(hidden[len(seq) - 1] @ head)))
+    assert res.output_ids == seq[len(ids):]
+    assert res.finish_reason == "length"
+    assert set(res.timings) == {"prefill_s", "decode_s", "queue_s"}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_logprobs_match_kernel(engine, forward, temperature):
+    ids = prompt(2, 9)
+    req = GenerateRequest(ids, 16, temperature=temperature, seed=5)
+    (res,) = run(engine.generate([req]))
+    n = len(res.output_ids)
+    hidden, head = forward(ids + res.output_ids)
+    rows = hidden[len(ids) - 1:len(ids) - 1 + n]
+    logp, _ = token_logprobs(rows, head, jnp.asarray(res.output_ids), jnp.ones(n),
+                             temperature=temperature or 1.0, implementation="reference")
+    np.testing.assert_allclose(res.logprobs, np.asarray(logp), atol=1e-4)
+    if temperature > 0:  # really sampled: some token is not the argmax
+        greedy = run(engine.generate([GenerateRequest(ids, 16, temperature=0.0)]))[0]
+        assert res.output_ids != greedy.output_ids
+
+
+def test_stop_ids_and_max_new_tokens(engine):
+    ids = prompt(3, 5)
+    (full,) = run(engine.generate([GenerateRequest(ids, 20, temperature=0.9, seed=1)]))
+    stop = full.output_ids[6]
+    first = full.output_ids.index(stop)
+    (res,) = run(engine.generate([GenerateRequest(ids, 20, temperature=0.9, seed=1,
+                                                  stop_token_ids=(stop, CFG.vocab_size + 1))]))
+    assert res.output_ids == full.output_ids[:first + 1]
+    assert res.finish_reason == "stop"
+    assert res.logprobs == full.logprobs[:first + 1]
+    (short,) = run(engine.generate([GenerateRequest(ids, 3, temperature=0.9, seed=1)]))
+    assert short.output_ids == full.output_ids[:3] and short.finish_reason == "length"
+    (one,) = run(engine.generate([GenerateRequest(ids, 1, temperature=0.9, seed=1)]))
+    assert one.output_ids == full.output_ids[:1] and one.finish_reason == "length"
+
+
+def test_seeded_sampling_is_reproducible(engine):
+    ids = prompt(4, 6)
+    a, b, c = run(engine.generate([GenerateRequest(ids, 16, seed=s) for s in (7, 7, 8)]))
+    assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+    assert a.output_ids != c.output_ids
+
+
+def _mixed_requests(n: int) -> list[GenerateRequest]:
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(n):
+        kind = i % 4
+        reqs.append(GenerateRequest(
+            prompt(100 + i, int(rng.integers(1, 15))), int(rng.integers(1, 17)),
+            temperature=[0.0, 1.0, 0.7, 1.3][kind], top_p=[1.0, 1.0, 0.8, 0.95][kind],
+            top_k=[-1, -1, 20, 5][kind], stop_token_ids=tuple(rng.integers(0, 384, 3)),
+            seed=1000 + i))
+    return reqs
+
+
+def test_concurrent_callers_get_their_own_results(engine):
+    reqs = _mixed_requests(64)
+
+    async def together():
+        return await asyncio.gather(*(engine.generate([r]) for r in reqs))
+
+    async def alone():
+        return [await engine.generate([r]) for r in reqs]
+
+    batched, single = run(together()), run(alone())
+    for r, (b,), (s,) in zip(reqs, batched, single, strict=True):
+        assert b.output_ids == s.output_ids
+        np.testing.assert_allclose(b.logprobs, s.logprobs, atol=1e-5)
+        assert b.finish_reason == s.finish_reason
+        assert 1 <= len(b.output_ids) <= r.max_new_tokens
+        stopped = b.output_ids[-1] in r.stop_token_ids
+        assert b.finish_reason == ("stop" if stopped else "length")
+        assert not set(b.output_ids[:-1]) & set(r.stop_token_ids)
+    assert any(b.finish_reason == "stop" for (b,) in batched)
+
+
+def test_update_weights_from_params_and_hf_dir(model, tmp_path):
+    from models import hf_io
+
+    other = tiny_model(1)
+    reqs = [GenerateRequest(prompt(5, 8), 10, temperature=0.0)]
+    with EmbeddedEngine(model, max_batch=4, max_len=64) as eng, \
+            EmbeddedEngine(other, max_batch=4, max_len=64) as ref:
+        before = run(eng.generate(reqs))[0].output_ids
+        expected = run(ref.generate(reqs))[0].output_ids
+        assert before != expected
+        run(eng.update_weights(nnx.state(other, nnx.Param)))
+        assert run(eng.generate(reqs))[0].output_ids == expected
+        hf_io.save_hf(model, CFG, str(tmp_path / "hf"))
+        run(eng.update_weights(str(tmp_path / "hf")))
+        assert run(eng.generate(reqs))[0].output_ids == before
+        wrong = Qwen3(dataclasses.replace(CFG, hidden_size=32), rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="shape"):
+            run(eng.update_weights(nnx.state(wrong, nnx.Param)))
+
+
+def test_bad_requests_are_named(engine):
+    with pytest.raises(ValueError, match="max_len"):
+        run(engine.generate([GenerateRequest([1] * 60, 10)]))
+    with pytest.raises(ValueError, match="vocabulary"):
+        run(engine.generate([GenerateRequest([CFG.vocab_size], 2)]))
+    with pytest.raises(ValueError, match="top_p"):
+        GenerateRequest([1], 2, top_p=0.0)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        GenerateRequest([], 2)
+
+
+# ----------------------------------------------------------------------------- sampler
+
+
+def _naive_keep(logits: np.ndarray, top_p: float, top_k: int) -> np.ndarray:
+    order = np.argsort(-logits, kind="stable")
+    k = len(logits) if top_k < 1 else top_k
+    kept = order[:k]
+    p = np.exp(logits[kept] - logits[kept].max())
+    p /= p.sum()
+    mass, n = 0.0, 0
+    while n < k and mass < top_p:
+        mass += p[n]
+        n += 1
+    keep = np.zeros(len(logits), bool)
+    keep[kept[:n]] = True
+    return keep
+
+
+def test_truncation_mask_matches_naive():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(40, 50)).astype(np.float32) * 2
+    top_p = rng.choice([1.0, 0.9, 0.5, 0.05], 40).astype(np.float32)
+    top_k = rng.choice([-1, 1, 3, 10], 40).astype(np.int32)
+    got = np.asarray(truncation_mask(jnp.asarray(logits), jnp.asarray(top_p),
+                                     jnp.asarray(top_k)))
+    for i in range(40):
+        np.testing.assert_array_equal(got[i], _naive_keep(logits[i], top_p[i], top_k[i]))
+
+
+def test_sample_frequencies_follow_truncated_softmax():
+    n, logits = 20000, np.array([2.0, 1.5, 1.0, 0.0, -1.0, -3.0], np.float32)
+    keys = jax.random.split(jax.random.PRNGKey(0), n)
+    for temperature, top_p, top_k in [(1.0, 1.0, -1), (0.5, 1.0, 3), (1.3, 0.8, -1)]:
+        tokens, logp = jax.jit(sample_tokens)(
+            jnp.tile(logits, (n, 1)), jnp.full(n, temperature), jnp.full(n, top_p),
+            jnp.full(n, top_k, jnp.int32), keys)
+        scaled = logits / temperature
+        keep = _naive_keep(scaled, top_p, top_k)
+        p = np.where(keep, np.exp(scaled - scaled.max()), 0)
+        p /= p.sum()
+        freq = np.bincount(np.asarray(tokens), minlength=len(logits)) / n
+        np.testing.assert_allclose(freq, p, atol=0.015)
+        full = scaled - np.log(np.exp(scaled).sum())
+        np.testing.assert_allclose(np.asarray(logp), full[np.asarray(tokens)], atol=1e-5)
