@@ -1,0 +1,129 @@
+"""HF safetensors in/out against transformers' Qwen3ForCausalLM."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.hf_io import INDEX_FILE, load_hf, save_hf
+from models.qwen3 import Qwen3, Qwen3Config
+
+T = 12
+
+
+@nnx.jit
+def _logits(model, tokens):
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    return model(tokens, positions) @ model.lm_head()
+
+
+def _tokens(vocab):
+    return np.random.RandomState(0).randint(0, vocab, (2, T)).astype(np.int32)
+
+
+def _torch_logits(torch, hf_model, tokens):
+    with torch.no_grad():
+        return hf_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+
+
+def _hf_model(transformers, tied, heads, kv_heads, head_dim, hidden):
+    config = transformers.Qwen3Config(
+        vocab_size=96, hidden_size=hidden, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=tied,
+        max_position_embeddings=64)
+    model = transformers.Qwen3ForCausalLM(config).eval()
+    # Norm weights start at one; perturb them so a transposed or misplaced norm shows.
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("tied,heads,kv_heads,head_dim,hidden,shard_size", [
+    (True, 4, 2, 16, 32, None),     # tied; GQA; head_dim != hidden / heads
+    (False, 4, 1, 12, 48, None),    # untied; one kv head
+    (False, 2, 2, 8, 24, "20KB"),   # sharded checkpoint with an index file
+])
+def test_logits_match_transformers(torch_ref, tmp_path, tied, heads, kv_heads, head_dim,
+                                   hidden, shard_size):
+    torch, transformers = torch_ref
+    hf_model = _hf_model(transformers, tied, heads, kv_heads, head_dim, hidden)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    hf_model.save_pretrained(tmp_path, safe_serialization=True, **kwargs)
+    assert os.path.exists(tmp_path / INDEX_FILE) == (shard_size is not None)
+    cfg, model = load_hf(str(tmp_path))
+    assert (cfg.tie_word_embeddings, cfg.num_kv_heads, cfg.head_dim) == (tied, kv_heads, head_dim)
+    tokens = _tokens(cfg.vocab_size)
+    ours = np.asarray(_logits(model, jnp.asarray(tokens)))
+    np.testing.assert_allclose(ours, _torch_logits(torch, hf_model, tokens), atol=1e-4)
+
+
+CFG = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=40, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen3(CFG, rngs=nnx.Rngs(3))
+
+
+def _flat(model):
+    return {k: np.asarray(v) for k, v in
+            jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]}
+
+
+@pytest.mark.parametrize("max_shard_bytes", [2**30, 8000])
+def test_save_load_round_trip_is_exact(model, tmp_path, max_shard_bytes):
+    save_hf(model, CFG, str(tmp_path), max_shard_bytes=max_shard_bytes)
+    assert os.path.exists(tmp_path / INDEX_FILE) == (max_shard_bytes < 2**30)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+    cfg, loaded = load_hf(str(tmp_path))
+    assert cfg == CFG
+    a, b = _flat(model), _flat(loaded)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_bfloat16_round_trip_is_exact(model, tmp_path):
+    params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, nnx.Param))
+    save_hf(params, CFG, str(tmp_path), dtype="bfloat16")
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _, loaded = load_hf(str(tmp_path), dtype="bfloat16")
+    got = jax.tree.leaves(nnx.state(loaded, nnx.Param))
+    for want, have in zip(jax.tree.leaves(params), got, strict=True):
+        assert have.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(want), np.asarray(have))
+
+
+def test_saved_checkpoint_loads_in_transformers(torch_ref, model, tmp_path):
+    torch, transformers = torch_ref
+    save_hf(model, CFG, str(tmp_path), max_shard_bytes=8000)
+    hf_model = transformers.Qwen3ForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert hf_model.config.rope_parameters["rope_theta"] == CFG.rope_theta
+    tokens = _tokens(CFG.vocab_size)
+    ours = np.asarray(_logits(model, jnp.asarray(tokens)))
+    np.testing.assert_allclose(ours, _torch_logits(torch, hf_model, tokens), atol=1e-4)
+
+
+def test_missing_tensor_is_named(model, tmp_path):
+    save_hf(model, CFG, str(tmp_path), max_shard_bytes=8000)
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(KeyError, match="model.layers.1.mlp.up_proj.weight"):
+        load_hf(str(tmp_path))
+
+
+def test_shape_mismatch_is_named(model, tmp_path):
+    save_hf(model, CFG, str(tmp_path))
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"intermediate_size": 44}))
+    with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight has shape"):
+        load_hf(str(tmp_path))
