@@ -1,0 +1,131 @@
+"""Chunked XLA and Pallas (interpret) token log-probs against the naive [N, V] reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels.logprob import token_logprobs
+from kernels.logprob.rows import compact_rows
+
+# N and V are not multiples of the block sizes below, so tail blocks are exercised.
+N, D, V = 37, 16, 203
+BLOCKS = {"xla": {"row_block": 8, "vocab_block": 64},
+          "pallas": {"row_block": 16, "vocab_block": 64, "interpret": True}}
+
+
+def _inputs(dtype, masked_fraction, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 6)
+    hidden = jax.random.normal(keys[0], (N, D)).astype(dtype)
+    lm_head = (jax.random.normal(keys[1], (D, V)) * 0.5).astype(dtype)
+    targets = jax.random.randint(keys[2], (N,), 0, V)
+    if masked_fraction == 0.5:
+        mask = jax.random.permutation(keys[3], jnp.arange(N) % 2 == 0)
+    else:
+        mask = jnp.full((N,), masked_fraction == 0.0)
+    cotangents = jax.random.normal(keys[4], (2, N))
+    return hidden, lm_head, targets, mask, cotangents
+
+
+def _value_and_grads(implementation, hidden, lm_head, targets, mask, cotangents, temperature,
+                     **blocks):
+    """((logp, entropy), (d hidden, d lm_head)) of sum(c0 logp + c1 entropy)."""
+
+    def loss(h, w):
+        logp, entropy = token_logprobs(h, w, targets, mask, temperature=temperature,
+                                       implementation=implementation, **blocks)
+        return jnp.sum(cotangents[0] * logp + cotangents[1] * entropy), (logp, entropy)
+
+    (_, outputs), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(hidden,
+                                                                                  lm_head)
+    return outputs, grads
+
+
+def _assert_close(actual, expected, dtype):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5)
+    else:
+        scale = np.abs(expected).max() + 1e-6
+        np.testing.assert_allclose(actual, expected, rtol=2e-2, atol=2e-2 * scale)
+
+
+CASES = [(jnp.float32, t, f) for t in (0.7, 1.0) for f in (0.0, 0.5, 1.0)]
+CASES += [(jnp.bfloat16, 0.7, 0.0), (jnp.bfloat16, 1.0, 0.5)]
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize(("dtype", "temperature", "masked_fraction"), CASES)
+def test_matches_reference(implementation, dtype, temperature, masked_fraction):
+    hidden, lm_head, targets, mask, cotangents = _inputs(dtype, masked_fraction)
+    args = (hidden, lm_head, targets, mask, cotangents, temperature)
+    outputs, grads = _value_and_grads(implementation, *args, **BLOCKS[implementation])
+    ref_outputs, ref_grads = _value_and_grads("reference", *args)
+    for name, actual, expected in zip(("logp", "entropy", "d_hidden", "d_lm_head"),
+                                      (*outputs, *grads), (*ref_outputs, *ref_grads),
+                                      strict=True):
+        assert actual.dtype == (jnp.float32 if name in ("logp", "entropy") else dtype), name
+        _assert_close(actual, expected, dtype)
+
+    # Masked rows: value exactly 0 and gradient exactly 0.
+    masked = ~np.asarray(mask)
+    for x in (*outputs, grads[0]):
+        assert np.all(np.asarray(x, np.float32)[masked] == 0.0)
+    if masked.all():
+        assert np.all(np.asarray(grads[1], np.float32) == 0.0)
+
+
+def test_entropy_gradient_alone_matches_reference():
+    hidden, lm_head, targets, mask, _ = _inputs(jnp.float32, 0.5, seed=3)
+
+    def entropy_sum(implementation, h, w):
+        _, entropy = token_logprobs(h, w, targets, mask, implementation=implementation,
+                                    **BLOCKS.get(implementation, {}))
+        return entropy.sum()
+
+    for implementation in ("xla", "pallas"):
+        grad = lambda i: jax.jit(jax.grad(lambda h, w: entropy_sum(i, h, w), (0, 1)))
+        grads = grad(implementation)(hidden, lm_head)
+        expected = grad("reference")(hidden, lm_head)
+        for actual, ref in zip(grads, expected, strict=True):
+            _assert_close(actual, ref, jnp.float32)
+
+
+def test_default_implementation_and_block_sizes():
+    hidden, lm_head, targets, mask, _ = _inputs(jnp.float32, 0.5, seed=1)
+    expected = token_logprobs(hidden, lm_head, targets, mask, implementation="reference")
+    for kwargs in ({}, {"row_block": 1, "vocab_block": 1}, {"row_block": 1000,
+                                                            "vocab_block": 1000}):
+        actual = token_logprobs(hidden, lm_head, targets, mask, **kwargs)
+        for a, e in zip(actual, expected, strict=True):
+            _assert_close(a, e, jnp.float32)
+
+
+def test_compaction_puts_valid_rows_first_in_whole_blocks():
+    mask = jnp.array([0, 1, 0, 1, 1, 0, 0], bool)
+    rows = compact_rows(mask, row_block=2)
+    np.testing.assert_array_equal(rows.index, [1, 3, 4, 7, 7, 7, 7, 7])
+    assert int(rows.num_blocks) == 2
+    np.testing.assert_array_equal(rows.valid, [1, 1, 1, 0, 0, 0, 0, 0])
+    x = jnp.arange(7.0) + 1
+    np.testing.assert_array_equal(rows.scatter(rows.gather(x), 7), x * mask)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"implementation": "cuda"}, "implementation must be one of"),
+    ({"temperature": 0.0}, "temperature must be > 0"),
+])
+def test_bad_arguments_are_named(kwargs, message):
+    hidden, lm_head, targets, mask, _ = _inputs(jnp.float32, 0.0)
+    with pytest.raises(ValueError, match=message):
+        token_logprobs(hidden, lm_head, targets, mask, **kwargs)
+
+
+def test_bad_shapes_are_named():
+    hidden, lm_head, targets, mask, _ = _inputs(jnp.float32, 0.0)
+    with pytest.raises(ValueError, match="does not match"):
+        token_logprobs(hidden, lm_head[1:], targets, mask)
+    with pytest.raises(ValueError, match="targets and mask must be"):
+        token_logprobs(hidden, lm_head, targets[1:], mask)
+    with pytest.raises(ValueError, match="integer token ids"):
+        token_logprobs(hidden, lm_head, targets.astype(jnp.float32), mask)
