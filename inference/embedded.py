@@ -32,8 +32,6 @@ from flax import nnx
 from inference.engine import Engine, EngineError, GenerateRequest, GenerateResult
 from inference.sampling import sample_tokens
 
-_MIN_LENGTH = 16
-
 
 def bucket(n: int, cap: int, minimum: int = 1) -> int:
     """Smallest power of two >= max(n, minimum), capped at `cap`."""
@@ -65,12 +63,12 @@ class _Batch:
 
 
 def _pack(requests: Sequence[GenerateRequest], seeds: Sequence[int], max_batch: int,
-          max_len: int) -> _Batch:
+          max_len: int, min_batch: int, min_len: int) -> _Batch:
     n = len(requests)
-    rows = bucket(n, max_batch) if n <= max_batch else n
-    prompt_len = bucket(max(len(r.prompt_ids) for r in requests), max_len, _MIN_LENGTH)
+    rows = bucket(n, max_batch, min_batch) if n <= max_batch else n
+    prompt_len = bucket(max(len(r.prompt_ids) for r in requests), max_len, min_len)
     total = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    cache_len = bucket(max(total, prompt_len), max_len, _MIN_LENGTH)
+    cache_len = bucket(max(total, prompt_len), max_len, min_len)
     n_stop = bucket(max(len(r.stop_token_ids) for r in requests), 1 << 30, 4)
     b = _Batch(
         tokens=np.zeros((rows, prompt_len), np.int32),
@@ -176,17 +174,20 @@ class EmbeddedEngine(Engine):
     model: an nnx `Qwen3`, or its `(graphdef, params)` from `nnx.split(model, nnx.Param)`.
     max_batch: most rows in one device batch (more concurrent requests wait a round).
     max_len: longest prompt + max_new_tokens; also the largest cache bucket.
+    min_batch, min_len: smallest batch / length buckets (fewer shapes to compile).
     seed: draws the seeds of requests that come without one.
     batch_wait_s: how long the batcher waits after the first request for others to join.
     """
 
-    def __init__(self, model, *, max_batch: int = 32, max_len: int = 2048, seed: int = 0,
-                 batch_wait_s: float = 0.002):
+    def __init__(self, model, *, max_batch: int = 32, max_len: int = 2048, min_batch: int = 1,
+                 min_len: int = 16, seed: int = 0, batch_wait_s: float = 0.002):
         self.graphdef, self.params = _split(model)
         self.cfg = nnx.merge(self.graphdef, self.params).cfg
         self.vocab_size = int(self.cfg.vocab_size)
         self.max_batch = int(max_batch)
         self.max_len = int(max_len)
+        self.min_batch = min(int(min_batch), self.max_batch)
+        self.min_len = min(int(min_len), self.max_len)
         self.batch_wait_s = float(batch_wait_s)
         self._seeds = np.random.default_rng(seed)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
@@ -263,7 +264,7 @@ class EmbeddedEngine(Engine):
     def run_batch(self, requests: Sequence[GenerateRequest],
                   seeds: Sequence[int]) -> list[GenerateResult]:
         """Generates for `requests` as one device batch (blocking)."""
-        b = _pack(requests, seeds, self.max_batch, self.max_len)
+        b = _pack(requests, seeds, self.max_batch, self.max_len, self.min_batch, self.min_len)
         sampling = (jnp.asarray(b.max_new), jnp.asarray(b.stop_ids), jnp.asarray(b.temperature),
                     jnp.asarray(b.top_p), jnp.asarray(b.top_k), jnp.asarray(b.seeds))
         t0 = time.perf_counter()

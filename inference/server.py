@@ -1,0 +1,332 @@
+"""Serves an `Engine` over HTTP with SGLang's native protocol (0.5.x, token ids only).
+
+The routes and fields are those of `sglang/srt/entrypoints/http_server.py` run with
+`--skip-tokenizer-init`, so `inference.sglang.SGLangClient` (and any SGLang client
+that sends `input_ids`) talks to this server and to a real SGLang server alike:
+
+  POST /generate                 {input_ids, sampling_params, return_logprob, rid}
+                                 -> {text, output_ids, meta_info{id, finish_reason,
+                                    prompt_tokens, completion_tokens, output_token_logprobs
+                                    [[logprob, id, null], ...], ...}} (a list when batched)
+  GET  /health, /health_generate
+  GET  /get_model_info, /model_info
+  POST /update_weights_from_disk {model_path} -> {success, message, num_paused_requests}
+  POST /flush_cache, /abort_request {rid | abort_all}
+
+Run: `python -m inference.server --preset tiny --seed 0 --port 30000`, or
+`--model-path HF_DIR`, or `--config configs/x.py[:arg]` (the model and engine sections
+of a training config, see `engine_from_config`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from inference.engine import Engine, GenerateRequest, GenerateResult
+
+log = logging.getLogger("inference.server")
+
+# SGLang sampling parameters that are accepted only at their no-op value here.
+_NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "stop": None,
+            "stop_regex": None, "json_schema": None, "regex": None, "ebnf": None,
+            "structural_tag": None, "logit_bias": None, "custom_params": None}
+# Text-side options that have no effect without a tokenizer.
+_IGNORED = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+            "stream_interval"}
+_SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
+              "sampling_seed"}
+_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
+
+
+def parse_sampling(params: dict[str, Any] | None, prompt_ids: Sequence[int]) -> GenerateRequest:
+    """SGLang `sampling_params` + prompt -> GenerateRequest; bad values raise ValueError."""
+    params = dict(params or {})
+    for key, value in params.items():
+        if key in _SUPPORTED or key in _IGNORED:
+            continue
+        if key not in _NEUTRAL:
+            raise ValueError(f"unknown sampling parameter {key!r}")
+        if value not in (_NEUTRAL[key], None, [], {}):
+            raise ValueError(f"sampling parameter {key}={value!r} is not supported by this "
+                             f"server (only {_NEUTRAL[key]!r})")
+    return GenerateRequest(
+        prompt_ids=prompt_ids,
+        max_new_tokens=int(params.get("max_new_tokens") or _DEFAULT_MAX_NEW_TOKENS),
+        temperature=float(params.get("temperature", 1.0)),
+        top_p=float(params.get("top_p", 1.0)),
+        top_k=int(params.get("top_k", -1)),
+        stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+        seed=params.get("sampling_seed"),
+    )
+
+
+def _per_item(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} inputs")
+        return value
+    return [value] * n
+
+
+def parse_generate(body: dict[str, Any]) -> tuple[bool, list[GenerateRequest], list[str],
+                                                   list[bool]]:
+    """A /generate body -> (batched, requests, rids, return_logprob per item)."""
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    if body.get("text") is not None or body.get("input_embeds") is not None:
+        raise ValueError("this server has no tokenizer (like SGLang's --skip-tokenizer-init): "
+                         "send input_ids, not text or input_embeds")
+    if body.get("stream"):
+        raise ValueError("stream=true is not supported by this server")
+    if body.get("logprob_start_len") not in (None, -1):
+        raise ValueError(f"logprob_start_len={body['logprob_start_len']!r} is not supported "
+                         "(output log-probs only; use -1)")
+    if body.get("top_logprobs_num") not in (None, 0):
+        raise ValueError(f"top_logprobs_num={body['top_logprobs_num']!r} is not supported")
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids:
+        raise ValueError("input_ids must be a non-empty list of token ids or a list of lists")
+    batched = isinstance(ids[0], list)
+    prompts = ids if batched else [ids]
+    n = len(prompts)
+    sampling = _per_item(body.get("sampling_params"), n, "sampling_params")
+    rids = _per_item(body.get("rid"), n, "rid")
+    rids = [r if r is not None else uuid.uuid4().hex for r in rids]
+    logprob = [bool(x) for x in _per_item(body.get("return_logprob", False), n, "return_logprob")]
+    requests = []
+    for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise ValueError(f"input_ids[{i}] must be a list of integers")
+        requests.append(parse_sampling(params, prompt))
+    return batched, requests, rids, logprob
+
+
+def _finish_reason(result: GenerateResult, message: str = "") -> dict[str, Any]:
+    if result.finish_reason == "stop":
+        return {"type": "stop", "matched": result.output_ids[-1]}
+    if result.finish_reason == "length":
+        return {"type": "length", "length": len(result.output_ids)}
+    return {"type": "abort", "message": message or "request aborted"}
+
+
+def render(result: GenerateResult, request: GenerateRequest, rid: str, return_logprob: bool,
+           weight_version: str, latency: float) -> dict[str, Any]:
+    """One SGLang /generate response item."""
+    meta = {
+        "id": rid,
+        "finish_reason": _finish_reason(result),
+        "prompt_tokens": len(request.prompt_ids),
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+        "weight_version": weight_version,
+        "e2e_latency": latency,
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
+                                         zip(result.logprobs, result.output_ids, strict=True)]
+        meta["input_token_logprobs"] = []
+    return {"text": "", "output_ids": list(result.output_ids), "meta_info": meta}
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+class Server:
+    """Routes of one engine. `app()` builds the aiohttp application."""
+
+    def __init__(self, engine: Engine, model_path: str | None = None,
+                 weight_version: str = "default"):
+        self.engine = engine
+        self.model_path = model_path
+        self.weight_version = weight_version
+        self.inflight: dict[str, asyncio.Task] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 2**20)
+        app.add_routes([
+            web.post("/generate", self.generate),
+            web.get("/health", self.health),
+            web.get("/health_generate", self.health_generate),
+            web.get("/get_model_info", self.model_info),
+            web.get("/model_info", self.model_info),
+            web.post("/update_weights_from_disk", self.update_weights_from_disk),
+            web.post("/flush_cache", self.flush_cache),
+            web.get("/flush_cache", self.flush_cache),
+            web.post("/abort_request", self.abort_request),
+        ])
+        app.on_shutdown.append(self._on_shutdown)
+        return app
+
+    async def generate(self, http: web.Request) -> web.Response:
+        start = time.perf_counter()
+        try:
+            batched, requests, rids, logprob = parse_generate(await http.json())
+        except ValueError as e:  # includes json.JSONDecodeError
+            return _error(400, str(e))
+        tasks = []
+        for rid, req in zip(rids, requests, strict=True):
+            task = asyncio.ensure_future(self.engine.generate([req]))
+            self.inflight[rid] = task
+            tasks.append(task)
+        try:
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            for rid in rids:
+                self.inflight.pop(rid, None)
+        items = []
+        for outcome, req, rid, lp in zip(outcomes, requests, rids, logprob, strict=True):
+            if isinstance(outcome, asyncio.CancelledError):
+                outcome = [GenerateResult([], [], "abort")]
+            elif isinstance(outcome, ValueError):
+                return _error(400, str(outcome))
+            elif isinstance(outcome, BaseException):
+                log.exception("generate failed", exc_info=outcome)
+                return _error(500, f"{type(outcome).__name__}: {outcome}")
+            items.append(render(outcome[0], req, rid, lp, self.weight_version,
+                                time.perf_counter() - start))
+        return web.json_response(items if batched else items[0])
+
+    async def health(self, http: web.Request) -> web.Response:
+        ok = await self.engine.health()
+        return web.Response(status=200 if ok else 503)
+
+    async def health_generate(self, http: web.Request) -> web.Response:
+        try:
+            await asyncio.wait_for(
+                self.engine.generate([GenerateRequest([0], 1, temperature=0.0)]), timeout=60)
+        except Exception as e:  # noqa: BLE001 - any failure is "unhealthy"
+            return web.Response(status=503, text=f"{type(e).__name__}: {e}")
+        return web.Response(status=200)
+
+    async def model_info(self, http: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.model_path,
+            "tokenizer_path": None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        })
+
+    async def update_weights_from_disk(self, http: web.Request) -> web.Response:
+        try:
+            body = await http.json()
+            path = body["model_path"]
+            if not isinstance(path, str):
+                raise TypeError(f"model_path must be a string, got {path!r}")
+            await self.engine.update_weights(path)
+        except Exception as e:  # noqa: BLE001 - reported to the caller as SGLang does
+            return web.json_response({"success": False, "num_paused_requests": 0,
+                                      "message": f"Failed to update weights: "
+                                                 f"{type(e).__name__}: {e}"}, status=400)
+        self.model_path = path
+        self.weight_version = str(body.get("weight_version") or path)
+        return web.json_response({"success": True, "num_paused_requests": 0,
+                                  "message": "Succeeded to update model weights."})
+
+    async def flush_cache(self, http: web.Request) -> web.Response:
+        return web.Response(text="Cache flushed.\n")
+
+    async def abort_request(self, http: web.Request) -> web.Response:
+        body = await http.json() if http.can_read_body else {}
+        if body.get("abort_all"):
+            targets = list(self.inflight.values())
+        else:
+            targets = [self.inflight[body["rid"]]] if body.get("rid") in self.inflight else []
+        for task in targets:
+            task.cancel()
+        return web.Response(status=200)
+
+    async def _on_shutdown(self, app: web.Application) -> None:
+        for task in list(self.inflight.values()):
+            task.cancel()
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def engine_from_config(config) -> tuple[Engine, str | None]:
+    """An EmbeddedEngine from a training config: `model.hf_path` or else a
+    `model.preset` initialised from `seed`, and `engine.max_batch` / `engine.max_len`."""
+    model_cfg = config.model
+    engine_cfg = config.get("engine") or {}
+    return build_engine(hf_dir=model_cfg.get("hf_path") or None,
+                        preset=model_cfg.get("preset") or None,
+                        seed=int(config.get("seed", 0)),
+                        max_batch=int(engine_cfg.get("max_batch", 32)),
+                        max_len=int(engine_cfg.get("max_len", 2048)),
+                        overrides=dict(model_cfg))
+
+
+def build_engine(hf_dir: str | None, preset: str | None, seed: int, max_batch: int,
+                 max_len: int, min_batch: int = 1, min_len: int = 16,
+                 overrides: dict[str, Any] | None = None) -> tuple[Engine, str | None]:
+    """An EmbeddedEngine over an HF directory or a randomly initialised preset (with the
+    Qwen3Config fields found in `overrides`)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from inference.embedded import EmbeddedEngine
+    from models import hf_io, qwen3
+
+    if hf_dir:
+        _, model = hf_io.load_hf(hf_dir)
+    elif preset:
+        if preset not in qwen3.PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; known: {sorted(qwen3.PRESETS)}")
+        fields = {f.name for f in dataclasses.fields(qwen3.Qwen3Config)}
+        cfg = dataclasses.replace(qwen3.PRESETS[preset], **{
+            k: v for k, v in (overrides or {}).items() if k in fields})
+        model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
+    else:
+        raise ValueError("give --model-path, --preset or --config")
+    engine = EmbeddedEngine(model, max_batch=max_batch, max_len=max_len, min_batch=min_batch,
+                            min_len=min_len, seed=seed)
+    return engine, hf_dir
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", help="configs/x.py[:arg] (uses config.model / config.engine)")
+    p.add_argument("--model-path", help="HF safetensors directory")
+    p.add_argument("--preset", help="random model of a models.qwen3.PRESETS size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--min-batch", type=int, default=1, help="smallest batch bucket")
+    p.add_argument("--min-len", type=int, default=16, help="smallest length bucket")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.config:
+        from configs.common import load_config
+
+        engine, model_path = engine_from_config(load_config(args.config))
+    else:
+        engine, model_path = build_engine(args.model_path, args.preset, args.seed,
+                                          args.max_batch, args.max_len, args.min_batch,
+                                          args.min_len)
+    server = Server(engine, model_path=model_path)
+    log.info("serving on http://%s:%d", args.host, args.port)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None,
+                handle_signals=True)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,315 @@
+"""SGLangClient against `python -m inference.server` processes over real HTTP on 127.0.0.1,
+started and stopped by SGLangLauncher; the in-process EmbeddedEngine is the reference."""
+
+import asyncio
+import os
+import shlex
+import signal
+import sys
+import urllib.error
+import urllib.request
+
+import aiohttp
+import ml_collections
+import numpy as np
+import pytest
+from flax import nnx
+
+from inference.embedded import EmbeddedEngine
+from inference.engine import EngineError, GenerateRequest
+from inference.sglang import (
+    LauncherConfig,
+    SGLangClient,
+    SGLangLauncher,
+    free_port,
+    from_config,
+    launch_commands,
+)
+from models import hf_io
+from models.qwen3 import Qwen3, Qwen3Config
+
+CFG = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
+                  tie_word_embeddings=False)
+# One batch bucket and one length bucket: each server compiles a single program pair.
+ENGINE = dict(max_batch=16, min_batch=16, max_len=32, min_len=32)
+SERVER = ("{python} -m inference.server --model-path {model_path} --port {port} --host {host} "
+          "--max-batch 16 --min-batch 16 --max-len 32 --min-len 32")
+
+
+def tiny_model(seed: int) -> Qwen3:
+    model = Qwen3(CFG, rngs=nnx.Rngs(seed))
+    model.lm_head_proj.kernel[...] = model.lm_head_proj.kernel[...] * 14.0
+    return model
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def requests(n: int, offset: int = 0) -> list[GenerateRequest]:
+    rng = np.random.default_rng(offset)
+    out = []
+    for i in range(n):
+        ids = rng.integers(0, CFG.vocab_size, int(rng.integers(2, 12))).tolist()
+        temperature = [0.0, 1.0, 0.8][i % 3]
+        out.append(GenerateRequest(ids, int(rng.integers(4, 17)), temperature=temperature,
+                                   top_k=[-1, -1, 40][i % 3], top_p=[1.0, 1.0, 0.9][i % 3],
+                                   stop_token_ids=tuple(rng.integers(0, 384, 4)),
+                                   seed=offset * 1000 + i))
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """name -> (model, HF directory) for two different random models."""
+    out = {}
+    for name, seed in (("a", 0), ("b", 1)):
+        model = tiny_model(seed)
+        path = str(tmp_path_factory.mktemp(f"hf_{name}"))
+        hf_io.save_hf(model, CFG, path)
+        out[name] = (model, path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(models):
+    """name -> in-process engine over the same weights (the expected answers)."""
+    engines = {name: EmbeddedEngine(model, **ENGINE) for name, (model, _) in models.items()}
+    yield engines
+    for e in engines.values():
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def servers(models, tmp_path_factory):
+    """Two inference.server processes on model "a", started in parallel."""
+    logs = tmp_path_factory.mktemp("logs")
+    launchers = [SGLangLauncher(LauncherConfig(model_path=models["a"][1], command=SERVER,
+                                               log_path=str(logs / f"s{i}.log"),
+                                               startup_timeout=120))
+                 for i in range(2)]
+    for launcher in launchers:
+        launcher.spawn()
+    try:
+        for launcher in launchers:
+            launcher.wait_healthy()
+        yield launchers
+    finally:
+        for launcher in launchers:
+            launcher.close()
+
+
+def assert_same(results, expected):
+    for got, want in zip(results, expected, strict=True):
+        assert got.output_ids == want.output_ids
+        np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
+        assert got.finish_reason == want.finish_reason
+
+
+def test_generate_with_logprobs_matches_embedded(servers, references):
+    reqs = requests(12)
+
+    async def go():
+        async with SGLangClient([servers[0].url]) as client:
+            assert await client.health()
+            return await client.generate(reqs)
+
+    results = run(go())
+    assert_same(results, run(references["a"].generate(reqs)))
+    assert {r.finish_reason for r in results} <= {"stop", "length"}
+    assert all(len(r.logprobs) == len(r.output_ids) > 0 for r in results)
+
+
+def test_native_protocol(servers):
+    url = servers[0].url
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            body = {"input_ids": [[1, 2, 3], [4, 5]], "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 4, "temperature": 0,
+                                        "skip_special_tokens": True, "n": 1}}
+            async with s.post(url + "/generate", json=body) as r:
+                assert r.status == 200
+                batch = await r.json()
+            async with s.post(url + "/generate", json={"text": "hello"}) as r:
+                assert r.status == 400
+                assert "input_ids" in (await r.json())["error"]["message"]
+            bad = {"input_ids": [1], "sampling_params": {"temprature": 0.5}}
+            async with s.post(url + "/generate", json=bad) as r:
+                assert r.status == 400
+                assert "temprature" in (await r.json())["error"]["message"]
+            info = []
+            for route in ("/get_model_info", "/model_info"):
+                async with s.get(url + route) as r:
+                    info.append(await r.json())
+            statuses = []
+            for method, route in (("get", "/health"), ("get", "/health_generate"),
+                                  ("post", "/flush_cache")):
+                async with s.request(method, url + route) as r:
+                    statuses.append(r.status)
+            async with s.post(url + "/abort_request", json={"rid": "nothing"}) as r:
+                statuses.append(r.status)
+            return batch, info, statuses
+
+    batch, info, statuses = run(go())
+    assert isinstance(batch, list) and len(batch) == 2
+    for item, prompt_len in zip(batch, (3, 2), strict=True):
+        meta = item["meta_info"]
+        assert item["text"] == "" and len(item["output_ids"]) == 4
+        assert [p[1] for p in meta["output_token_logprobs"]] == item["output_ids"]
+        assert all(p[2] is None and p[0] <= 0 for p in meta["output_token_logprobs"])
+        assert meta["finish_reason"] == {"type": "length", "length": 4}
+        assert meta["prompt_tokens"] == prompt_len and meta["completion_tokens"] == 4
+    assert info[0] == info[1] and info[0]["is_generation"] is True
+    assert statuses == [200, 200, 200, 200]
+
+
+def test_update_weights_changes_outputs(servers, models, references):
+    reqs = requests(6, offset=1)
+    model_a, _ = models["a"]
+    _, dir_b = models["b"]
+
+    async def go(tmp):
+        async with SGLangClient([s.url for s in servers], model_config=CFG,
+                                export_dir=tmp) as client:
+            before = await client.generate(reqs)
+            await client.update_weights(dir_b)
+            after = await client.generate(reqs)
+            # Back to "a", through the params -> safetensors export path.
+            await client.update_weights(nnx.state(model_a, nnx.Param))
+            restored = await client.generate(reqs)
+            return before, after, restored, client.weights_path
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        before, after, restored, exported = run(go(tmp))
+        assert os.path.exists(os.path.join(exported, "config.json"))
+    assert_same(before, run(references["a"].generate(reqs)))
+    assert_same(after, run(references["b"].generate(reqs)))
+    assert [r.output_ids for r in before] != [r.output_ids for r in after]
+    assert_same(restored, before)
+
+
+def test_update_weights_failure_is_reported(servers):
+    async def go():
+        async with SGLangClient([servers[0].url]) as client:
+            await client.update_weights("/nonexistent/model")
+
+    with pytest.raises(EngineError, match="nonexistent"):
+        run(go())
+    # The failed server got no new weights and is skipped for a while; it still serves.
+    assert urllib.request.urlopen(servers[0].url + "/health").status == 200
+
+
+def test_no_server_up_names_every_url():
+    urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
+
+    async def go():
+        async with SGLangClient(urls, max_retries=2, backoff=0.01) as client:
+            assert not await client.health()
+            await client.generate([GenerateRequest([1, 2], 3)])
+
+    with pytest.raises(EngineError) as err:
+        run(go())
+    for url in urls:
+        assert url in str(err.value)
+
+
+def test_failover_when_a_server_dies_mid_run(servers, references):
+    """Server 1 is SIGKILLed while requests are in flight; server 0 answers them all."""
+    first, second = requests(8, offset=2), requests(24, offset=3)
+
+    async def go():
+        async with SGLangClient([s.url for s in servers], max_retries=4, backoff=0.05,
+                                down_s=60) as client:
+            warm = await client.generate(first)
+            pending = asyncio.ensure_future(client.generate(second))
+            await asyncio.sleep(0.01)
+            os.killpg(servers[1].process.pid, signal.SIGKILL)
+            return warm, await pending
+
+    warm, results = run(go())
+    assert servers[1].process.wait(10) == -signal.SIGKILL
+    assert_same(warm, run(references["a"].generate(first)))
+    assert_same(results, run(references["a"].generate(second)))
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+def test_launcher_teardown_stops_the_server(servers):
+    launcher = servers[0]
+    pid = launcher.process.pid
+    launcher.close()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+    with pytest.raises((urllib.error.URLError, OSError)):
+        urllib.request.urlopen(launcher.url + "/health", timeout=2)
+
+
+def test_launcher_reports_early_exit_with_log_tail(tmp_path):
+    cmd = "{python} -c " + shlex.quote("import sys; print('no weights at all'); sys.exit(3)")
+    launcher = SGLangLauncher({"command": cmd, "log_path": str(tmp_path / "log"),
+                               "startup_timeout": 30})
+    with pytest.raises(EngineError, match="(?s)code 3.*no weights at all"):
+        launcher.start()
+
+
+def test_launcher_deadline_kills_the_group(tmp_path):
+    cmd = "{python} -c " + shlex.quote("import time; print('loading', flush=True); "
+                                       "time.sleep(60)")
+    launcher = SGLangLauncher(LauncherConfig(command=cmd, log_path=str(tmp_path / "log"),
+                                             startup_timeout=1.0))
+    launcher.spawn()
+    pid = launcher.process.pid
+    with pytest.raises(EngineError, match="(?s)not healthy after.*loading"):
+        launcher.wait_healthy()
+    assert launcher.process is None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)
+
+
+# Flags of `python -m sglang.launch_server`, from SGLang's docs/advanced_features/
+# server_arguments.md (v0.5): model and tokenizer, HTTP server, memory, runtime, dtype.
+SGLANG_DOCUMENTED_FLAGS = {
+    "--model-path", "--model", "--tokenizer-path", "--skip-tokenizer-init", "--host", "--port",
+    "--tensor-parallel-size", "--tp-size", "--mem-fraction-static", "--dtype",
+    "--context-length", "--random-seed", "--data-parallel-size", "--dp-size",
+    "--max-running-requests", "--chunked-prefill-size", "--weight-version",
+}
+
+
+def test_sglang_command_line_uses_documented_flags():
+    launcher = SGLangLauncher(LauncherConfig(model_path="/ckpt/qwen3-14b", port=30011,
+                                             host="0.0.0.0", tp_size=4,
+                                             mem_fraction_static=0.8,
+                                             extra_args=("--dtype", "bfloat16")))
+    argv = launcher.command()
+    assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path",
+                    "/ckpt/qwen3-14b", "--port", "30011", "--tp-size", "4",
+                    "--mem-fraction-static", "0.8", "--skip-tokenizer-init", "--host",
+                    "0.0.0.0", "--dtype", "bfloat16"]
+    flags = {a for a in argv if a.startswith("--")}
+    assert flags <= SGLANG_DOCUMENTED_FLAGS
+    assert launcher.url == "http://0.0.0.0:30011"
+    with pytest.raises(KeyError, match="tp"):
+        SGLangLauncher({"tp": 2})
+
+
+def test_from_config():
+    sglang = ml_collections.ConfigDict(dict(
+        urls=(), launch=True, ports=(30000, 30001), host="127.0.0.1", tp_size=2,
+        mem_fraction_static=0.7, extra_args=(), timeout_s=60.0, max_retries=1, export_dir="",
+        health_timeout_s=10.0))
+    config = ml_collections.ConfigDict(dict(seed=0, model=dict(hf_path="/w/qwen3"),
+                                            engine=dict(sglang=sglang)))
+    commands = launch_commands(config)
+    assert [c[c.index("--port") + 1] for c in commands] == ["30000", "30001"]
+    assert all(c[c.index("--model-path") + 1] == "/w/qwen3" for c in commands)
+    config.engine.sglang.urls = ("http://h1:1", "http://h2:2")
+    client = from_config(config, "/tmp", model_config=CFG)
+    assert [s.url for s in client.servers] == ["http://h1:1", "http://h2:2"]
+    assert client.max_retries == 1 and client.launchers == []
+    client.close()
