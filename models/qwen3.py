@@ -45,6 +45,8 @@ class Qwen3Config:
     max_position_embeddings: longest position the model was trained for (informational).
     dtype: compute dtype of matmuls and activations ("float32" | "bfloat16").
     param_dtype: storage dtype of parameters ("float32" | "bfloat16").
+    remat: recompute each layer's activations in the backward pass instead of storing them
+      (training memory O(layers * B*T*d) instead of O(layers * activations); not saved to HF).
     """
 
     vocab_size: int
@@ -60,6 +62,7 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     dtype: str = "float32"
     param_dtype: str = "float32"
+    remat: bool = False
 
     def __post_init__(self):
         for name in ("dtype", "param_dtype"):
@@ -319,6 +322,10 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
 
 
+def _apply_layer(layer: DecoderLayer, x, positions, mask):
+    return layer(x, positions, mask)
+
+
 class Qwen3(nnx.Module):
     """Qwen3ForCausalLM without the output projection (see `lm_head`)."""
 
@@ -341,9 +348,10 @@ class Qwen3(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
         mask = segment_mask(segment_ids)
+        apply = nnx.remat(_apply_layer) if self.cfg.remat else _apply_layer
         x = self.embed_tokens(tokens)
         for layer in self.layers:
-            x = layer(x, positions, mask)
+            x = apply(layer, x, positions, mask)
         return self.norm(x)
 
     def lm_head(self) -> jax.Array:

@@ -92,6 +92,25 @@ def test_functional_split_merge_under_jit(model):
                                @ np.asarray(model.lm_head()), atol=1e-5)
 
 
+def test_remat_gives_same_loss_and_grads(model):
+    graphdef, params = nnx.split(model, nnx.Param)
+    remat_cfg = dataclasses.replace(CFG, remat=True)
+    graphdef_remat, _ = nnx.split(nnx.eval_shape(lambda: Qwen3(remat_cfg)), nnx.Param)
+    tokens = jnp.array([[3, 1, 4, 1, 5, 9]], jnp.int32)
+
+    def loss(params, graphdef):
+        m = nnx.merge(graphdef, params)
+        logits = m(tokens, jnp.arange(6)[None]) @ m.lm_head()
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[0, :, 2])
+
+    assert "remat" in str(jax.make_jaxpr(loss, static_argnums=1)(params, graphdef_remat))
+    assert "remat" not in str(jax.make_jaxpr(loss, static_argnums=1)(params, graphdef))
+    plain = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, graphdef)
+    remat = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, graphdef_remat)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
 def test_tied_head_is_embedding_transpose():
     m = Qwen3(dataclasses.replace(CFG, tie_word_embeddings=True))
     embedding = np.asarray(m.embed_tokens.embedding[...])
