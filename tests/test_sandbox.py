@@ -75,17 +75,22 @@ def make(request):
         sandbox.close()
 
 
-def host_processes(marker: str) -> list[int]:
-    """Host pids whose command line contains `marker` (zombies have none)."""
+def host_processes(marker: str, exact: bool = False) -> list[int]:
+    """Host pids whose command line contains `marker` (zombies have none).
+
+    exact: only processes whose argv is `marker.split()` (not the shells that run it).
+    """
     found = []
     for name in os.listdir("/proc"):
         if name.isdigit() and name != str(os.getpid()):
             try:
                 with open(f"/proc/{name}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        found.append(int(name))
+                    cmdline = f.read()
             except OSError:
-                pass
+                continue
+            if (cmdline.rstrip(b"\0").split(b"\0") == marker.encode().split() if exact
+                    else marker.encode() in cmdline):
+                found.append(int(name))
     return found
 
 
@@ -214,7 +219,7 @@ def test_close_kills_running_command_and_removes_everything(make):
     thread = threading.Thread(target=long_run)
     thread.start()
     deadline = time.monotonic() + 10
-    while not host_processes(sleep) and time.monotonic() < deadline:
+    while not host_processes(sleep, exact=True) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert host_processes(sleep)
     sb.close()
@@ -416,9 +421,9 @@ def test_pool_closes_everything_on_sigterm(backend, request, tmp_path):
                             text=True, env={**os.environ, "PYTHONPATH": ROOT})
     lines = [proc.stdout.readline().split() for _ in range(2)]
     deadline = time.monotonic() + 15
-    while len(host_processes(sleep)) < 2 and time.monotonic() < deadline:
+    while len(host_processes(sleep, exact=True)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert len(host_processes(sleep)) == 2
+    assert len(host_processes(sleep, exact=True)) == 2
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(30) == 128 + signal.SIGTERM
     pool_id = lines[0][0]

@@ -39,10 +39,11 @@ from env.sandbox.paths import repo_relative
 LABEL = "swe-rl.sandbox"
 HOST_GRACE_S = 30.0
 PID1 = ["bash", "-c", "trap '' CHLD; exec sleep infinity"]
-# $1 = timeout seconds, $2 = command. The wrapper's own stderr (bash's "Killed" job
-# notices, kill's complaints) goes to /dev/null; the command's stderr goes to fd 3.
+# $1 = timeout seconds, $2 = command. The command's stderr joins its stdout in one pipe,
+# so their order is kept; the wrapper's own stderr (bash's "Killed" job notices, kill's
+# complaints) goes to /dev/null.
 RUN_WRAPPER = (
-    'exec 3>&2 2>/dev/null; timeout -s KILL "$1" bash -c "$2" 2>&3 3>&-; rc=$?; '
+    'exec 2>/dev/null; timeout -s KILL "$1" bash -c "$2" 2>&1; rc=$?; '
     "kill -9 -1; kill -9 -1; exit $rc"
 )
 GIT = "git -c safe.directory=* -c user.name=sandbox -c user.email=sandbox@localhost"
@@ -82,12 +83,34 @@ def remove_containers(labels: Mapping[str, str], client: docker.DockerClient | N
     client = client or connect()
     filters = {"label": [f"{k}={v}" for k, v in labels.items()]}
     removed = 0
-    with docker_errors("removing labelled containers"):
-        for container in client.containers.list(all=True, filters=filters):
-            with contextlib.suppress(docker.errors.NotFound):
-                container.remove(force=True, v=True)
-                removed += 1
+    with docker_errors("listing labelled containers"):
+        containers = client.containers.list(all=True, filters=filters)
+    for container in containers:
+        _remove_container(client, container.id)
+        removed += 1
     return removed
+
+
+def _remove_container(client: docker.DockerClient, container_id: str,
+                      wait_s: float = 30.0) -> None:
+    """Force-removes a container; also waits out a removal another thread started."""
+    deadline = time.monotonic() + wait_s
+    with docker_errors(f"removing container {container_id[:12]}"):
+        try:
+            client.api.remove_container(container_id, force=True, v=True)
+            return
+        except docker.errors.NotFound:
+            return
+        except docker.errors.APIError as e:
+            if e.status_code != 409 or "in progress" not in str(e.explanation):
+                raise
+        while time.monotonic() < deadline:
+            try:
+                client.api.inspect_container(container_id)
+            except docker.errors.NotFound:
+                return
+            time.sleep(0.05)
+    raise base.SandboxError(f"container {container_id[:12]} was still there after {wait_s}s")
 
 
 class DockerSandbox(base.Sandbox):
@@ -281,9 +304,7 @@ class DockerSandbox(base.Sandbox):
         """Force-removes the container; retried by a later close() if the engine failed."""
         if self.container_id is None:
             return
-        with (docker_errors(f"removing container {self.container_id[:12]}"),
-              contextlib.suppress(docker.errors.NotFound)):
-                self._client.api.remove_container(self.container_id, force=True, v=True)
+        _remove_container(self._client, self.container_id)
         self.container_id = None
 
 
