@@ -1,0 +1,44 @@
+"""Sandbox factories of both backends for the env tests.
+
+`backend_factory(request, backend)` returns `task -> Sandbox` (env.episode.sandbox_factory)
+for "local", or for "docker" through the `docker_client` fixture with the sandbox image
+(built by scripts/build_sandbox_image.sh when missing), so a missing engine skips, or
+fails under REQUIRE_ALL=1, exactly as conftest decides.
+"""
+
+import os
+import subprocess
+
+import pytest
+
+from env.episode import sandbox_factory
+from env.sandbox.local import LocalLimits
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMAGE = os.environ.get("SANDBOX_IMAGE", "swe-sandbox:test")
+BACKENDS = [pytest.param("local"), pytest.param("docker", marks=pytest.mark.docker)]
+
+
+def docker_defaults(request) -> dict:
+    """DockerSandbox arguments: the session's client and the sandbox image."""
+    client = request.getfixturevalue("docker_client")
+    import docker.errors
+
+    try:
+        client.images.get(IMAGE)
+    except docker.errors.ImageNotFound:
+        script = os.path.join(ROOT, "scripts", "build_sandbox_image.sh")
+        subprocess.run([script, IMAGE], check=True, timeout=1200)
+    return {"image": IMAGE, "client": client, "mem_limit": "512m"}
+
+
+def backend_factory(request, backend: str):
+    if backend == "docker":
+        return sandbox_factory("docker", **docker_defaults(request))
+    return sandbox_factory("local", limits=LocalLimits(memory_bytes=1 << 30))
+
+
+def tree_hashes(sandbox) -> dict[str, str]:
+    """path -> sha256 of every file outside .git, computed by sha256sum in the sandbox."""
+    out = sandbox.run("find . -path ./.git -prune -o -type f -print0 | xargs -0 sha256sum").output
+    return {line[66:].removeprefix("./"): line[:64] for line in out.splitlines()}
