@@ -61,10 +61,11 @@ def load_config(path: str, **overrides) -> Qwen3Config:
 
 
 def load_hf(path: str, mesh: jax.sharding.Mesh | None = None, dtype: str = "float32",
-            param_dtype: str | None = None) -> tuple[Qwen3Config, Qwen3]:
+            param_dtype: str | None = None, **overrides) -> tuple[Qwen3Config, Qwen3]:
     """Reads an HF Qwen3 directory into a model whose parameters live on `mesh`
-    (sharded by models.sharding rules) or, without a mesh, on the default device."""
-    cfg = load_config(path, dtype=dtype, param_dtype=param_dtype or dtype)
+    (sharded by models.sharding rules) or, without a mesh, on the default device.
+    `overrides` set Qwen3Config fields that are not in config.json (e.g. remat=True)."""
+    cfg = load_config(path, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0))))
     if mesh is None:
         device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
