@@ -376,7 +376,8 @@ class Qwen3(nnx.Module):
         Token (b, t) is stored in cache slot positions[b, t]; a negative position marks a
         padding token, which is neither stored nor meaningful in the output. A token at
         position p attends to every filled slot s <= p of its row, so rows may sit at
-        different lengths and a prompt may be prefilled in several chunks.
+        different lengths and a prompt may be prefilled in several chunks. Positions must
+        be below the cache's max_len (larger ones are dropped, as jit cannot raise).
         """
         max_len = cache.valid.shape[1]
         rows = jnp.arange(tokens.shape[0])[:, None]
