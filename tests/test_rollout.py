@@ -1,0 +1,253 @@
+"""Agent rollouts: token accounting, budgets, prefix replay, group and stream collection.
+
+Real parts throughout: a tiny random Qwen3 behind the embedded engine, local
+sandboxes, generated mini-SWE tasks, the BPE tokenizer trained on them.
+"""
+
+import asyncio
+import dataclasses
+import hashlib
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from env import episode as episode_lib
+from env import miniswe
+from inference.embedded import EmbeddedEngine
+from inference.engine import Engine
+from models.qwen3 import Qwen3, Qwen3Config
+from models.tokenizer import render_chat, train_bpe
+from rl import prefix, setup
+from rl.learner import default_config, init_train_state, make_train_step
+from rl.rollout import Agent, RolloutConfig, RolloutJob, StreamCollector, collect_groups
+
+TASKS = miniswe.generate_tasks(6, seed=7, difficulties=(0, 1))
+
+
+class RecordingEngine(Engine):
+    """Passes requests to a real engine and keeps every prompt it was sent."""
+
+    def __init__(self, inner: Engine):
+        self.inner, self.prompts = inner, []
+
+    async def generate(self, requests):
+        self.prompts += [list(r.prompt_ids) for r in requests]
+        return await self.inner.generate(requests)
+
+    async def update_weights(self, params_or_path):
+        await self.inner.update_weights(params_or_path)
+
+    async def health(self):
+        return await self.inner.health()
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return train_bpe(setup.tokenizer_corpus(TASKS), 600)
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    cfg = Qwen3Config(vocab_size=640, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=10_000.0)
+    return Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def factory():
+    return setup.sandbox_factory(type("E", (), {"backend": "local", "image": ""})())
+
+
+def make_agent(model, tokenizer, factory, **cfg):
+    cfg = RolloutConfig(**{"max_steps": 3, "max_turn_tokens": 24, "max_response_tokens": 200,
+                           "max_context": 1024, "test_timeout_s": 30.0, **cfg})
+    engine = RecordingEngine(EmbeddedEngine(model, max_batch=16, max_len=cfg.max_context,
+                                            seed=0))
+    return Agent(engine, tokenizer, factory, cfg, max_concurrent_envs=4, tools_in_prompt=False)
+
+
+def conversation(traj, tokenizer, system):
+    """The chat messages a trajectory stands for, rendered independently of its ids."""
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": TASK_BY_ID[traj.task_id].problem_statement}]
+    for i, turn in enumerate(traj.turns):
+        text = tokenizer.decode(turn.action_ids)
+        messages.append({"role": "assistant", "content": text.removesuffix("<|im_end|>")})
+        if i + 1 < len(traj.turns):
+            messages.append({"role": "tool", "content": turn.observation})
+    return messages
+
+
+TASK_BY_ID = {t.instance_id: t for t in TASKS}
+
+
+def test_expert_demonstration_token_accounting(model, tokenizer, factory):
+    agent = make_agent(model, tokenizer, factory, max_steps=8, max_response_tokens=2000,
+                       max_turn_tokens=400, max_context=4096)
+    task = TASKS[0]
+    actions = miniswe.expert_actions_text(miniswe.expert_demo(task))
+    traj = asyncio.run(agent.demonstrate(task, actions))
+    assert traj.status == "finished" and traj.reward == 1.0
+    ids, mask, logp = traj.token_arrays()
+    # The ids decode to the conversation rendered from its texts (Qwen3 chat format);
+    # the final assistant turn was not closed by <|im_end|> (the episode ended).
+    rendered = render_chat(conversation(traj, tokenizer, agent.cfg.system_prompt))
+    assert tokenizer.decode(ids) == rendered.removesuffix("<|im_end|>\n")
+    # loss_mask covers exactly the action ids, in order.
+    assert list(ids[mask == 1]) == [i for t in traj.turns for i in t.action_ids]
+    assert [tokenizer.decode(t.action_ids) for t in traj.turns] == actions
+    assert not logp[mask == 0].any()
+
+
+def test_sampled_rollout_is_token_in_token_out(model, tokenizer, factory):
+    agent = make_agent(model, tokenizer, factory)
+    traj = asyncio.run(agent.run(RolloutJob(TASKS[1], seed=3)))
+    assert traj.status in ("max_steps", "truncated") and traj.reward == 0.0
+    assert traj.num_steps >= 1
+    ids, mask, logp = traj.token_arrays()
+    prompts = agent.engine.prompts
+    # Each request's prompt is exactly the stream before that turn's action.
+    offset = 0
+    for turn, prompt in zip(traj.turns, prompts, strict=True):
+        offset += len(turn.obs_ids)
+        assert prompt == list(ids[:offset])
+        offset += len(turn.action_ids)
+        np.testing.assert_array_equal(logp[offset - len(turn.action_ids):offset],
+                                      np.float32(turn.action_logprobs))
+    assert int(mask.sum()) == traj.num_generated_tokens
+    # Every turn after a turn not closed by <|im_end|> starts by closing it.
+    for prev, turn in zip(traj.turns, traj.turns[1:], strict=False):
+        if prev.action_ids[-1] != tokenizer.eos_id:
+            assert turn.obs_ids[0] == tokenizer.eos_id
+
+
+def test_token_budget_ends_in_truncated(model, tokenizer, factory):
+    agent = make_agent(model, tokenizer, factory, max_steps=10, max_response_tokens=30)
+    traj = asyncio.run(agent.run(RolloutJob(TASKS[2], seed=1)))
+    assert traj.status == "truncated"
+    assert traj.num_generated_tokens <= 30
+    assert traj.reward is not None  # graded all the same
+
+
+def test_sandbox_failure_is_env_error_not_reward_zero(model, tokenizer):
+    def broken(task):
+        raise episode_lib.SandboxError("daemon unreachable")
+
+    agent = make_agent(model, tokenizer, broken, env_retries=2)
+    traj = asyncio.run(agent.run(RolloutJob(TASKS[0])))
+    assert traj.status == "env_error" and traj.reward is None
+    assert "daemon unreachable" in traj.error
+
+
+def _file_hashes(sandbox) -> dict[str, str]:
+    out = sandbox.run("git ls-files -co --exclude-standard").output.split()
+    return {p: hashlib.sha256(sandbox.read_file(p).encode()).hexdigest() for p in sorted(out)}
+
+
+def test_prefix_replay_restores_files_prompt_and_masks(model, tokenizer, factory):
+    agent = make_agent(model, tokenizer, factory, max_steps=8, max_response_tokens=2000,
+                       max_turn_tokens=400, max_context=4096)
+    task = next(t for t in TASKS if t.difficulty == 1)
+    demo = miniswe.expert_demo(task)
+    source = asyncio.run(agent.demonstrate(task, miniswe.expert_actions_text(demo)))
+    assert source.num_steps >= 4
+    k = 3
+    ptask = prefix.make_prefix_task(source, k, "too_hard", step=0)
+    # Files: the restored sandbox equals the source episode's sandbox after step k.
+    original = episode_lib.Episode(factory, task)
+    original.reset()
+    for turn in source.turns[:k]:
+        original.step(turn.tool_call)
+    restored, _ = episode_lib.restore(
+        task, [episode_lib.StepRecord(t.tool_call, t.observation, t.patch) for t in ptask.turns],
+        k, factory)
+    try:
+        assert _file_hashes(restored.sandbox) == _file_hashes(original.sandbox)
+    finally:
+        original.close()
+        restored.close()
+    # Prompt: the first request of the continuation is the source's ids up to step k's
+    # observation, fed as prompt (nothing of it decoded).
+    agent.engine.prompts.clear()
+    cont = asyncio.run(agent.run(RolloutJob(task, prefix=ptask, seed=5)))
+    src_ids = source.token_arrays()[0]
+    n_prompt = sum(len(t.obs_ids) + len(t.action_ids) for t in source.turns[:k]) + len(
+        source.turns[k].obs_ids)
+    assert agent.engine.prompts[0] == list(src_ids[:n_prompt])
+    assert cont.prefix == ptask.info and all(t.replayed for t in cont.turns[:k])
+    assert not any(t.replayed for t in cont.turns[k:])
+    ids, mask, _ = cont.token_arrays()
+    n_replayed = sum(len(t.obs_ids) + len(t.action_ids) for t in cont.turns[:k])
+    assert not mask[:n_replayed].any()
+    assert cont.num_replayed_tokens == n_replayed
+    assert cont.num_generated_tokens == int(mask.sum())
+
+
+def test_replayed_tokens_do_not_influence_the_update(model, tokenizer, factory):
+    """Changing the replayed turns' log-probs leaves loss and gradients bit-identical."""
+    agent = make_agent(model, tokenizer, factory, max_steps=6, max_response_tokens=600,
+                       max_turn_tokens=200, max_context=2048)
+    task = TASKS[0]
+    source = asyncio.run(agent.demonstrate(
+        task, miniswe.expert_actions_text(miniswe.expert_demo(task))))
+    ptask = prefix.make_prefix_task(source, 2, "too_easy", step=0)
+    cont = asyncio.run(agent.run(RolloutJob(task, prefix=ptask, seed=2)))
+    perturbed = dataclasses.replace(cont, turns=[
+        dataclasses.replace(t, action_logprobs=list(np.full(len(t.action_ids), -3.0)))
+        if t.replayed else t for t in cont.turns])
+    cfg = default_config()
+    graphdef, state0 = init_train_state(model, cfg)
+    step = make_train_step(graphdef, cfg)
+    outs = []
+    for traj in (cont, perturbed):
+        batch, _ = setup_pack([traj])
+        state = jax.tree.map(lambda x: x.copy(), state0)
+        new_state, metrics = step(state, batch)
+        outs.append((jax.device_get(new_state.params), float(metrics["loss"])))
+    assert outs[0][1] == outs[1][1]
+    for a, b in zip(jax.tree.leaves(outs[0][0]), jax.tree.leaves(outs[1][0]), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def setup_pack(trajs):
+    from rl.batch import pack_trajectories
+
+    return pack_trajectories(trajs, np.ones(len(trajs)), buckets=(2048,))
+
+
+def test_group_collection_returns_n_per_task(model, tokenizer, factory):
+    agent = make_agent(model, tokenizer, factory, max_steps=1)
+    jobs = [RolloutJob(TASKS[0], seed=1), RolloutJob(TASKS[1], seed=2)]
+    groups = asyncio.run(collect_groups(agent, jobs, 3))
+    assert [len(g) for g in groups] == [3, 3]
+    assert [g[0].task_id for g in groups] == [TASKS[0].instance_id, TASKS[1].instance_id]
+    assert len({t.uid for g in groups for t in g}) == 6
+
+
+def test_stream_collection_returns_first_finished_and_carries_the_rest(model, tokenizer,
+                                                                       factory):
+    agent = make_agent(model, tokenizer, factory, max_steps=2)
+    launched = []
+
+    def next_job():
+        launched.append(len(launched))
+        return RolloutJob(TASKS[len(launched) % len(TASKS)], seed=len(launched))
+
+    async def run():
+        collector = StreamCollector(agent, next_job, in_flight=5)
+        first = await collector.collect(3)
+        carried, launched_before = len(collector._running), len(launched)
+        second = await collector.collect(3)
+        await collector.close()
+        return first, carried, launched_before, second
+
+    first, carried, launched_before, second = asyncio.run(run())
+    assert len(first) == 3 and len(second) == 3
+    # Nothing is dropped: every launched rollout was returned or is still carried.
+    assert launched_before == 3 + carried and carried >= 2
+    assert len({t.uid for t in first + second}) == 6
