@@ -29,11 +29,21 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     def run(self, cmd: str, timeout: float = 60.0) -> ExecResult:
-        """Runs `cmd` with bash in the repository root."""
+        """Runs `bash -c cmd` in the repository root; stderr is merged into stdout.
+
+        Past `timeout` seconds every process of the command is killed and the result has
+        `timed_out=True, exit_code=-1`; the sandbox stays usable. Processes the command
+        leaves in the background are killed when it returns, so calls are independent.
+        Output beyond the backend's cap keeps its head and tail (`truncated=True`).
+        """
 
     @abc.abstractmethod
     def read_file(self, path: str) -> str:
-        """Reads a text file (relative to the repository root)."""
+        """Reads a text file (relative to the repository root), decoded with errors="replace".
+
+        Raises FileNotFoundError if it is missing and ValueError for a path that is absolute
+        or leaves the repository.
+        """
 
     @abc.abstractmethod
     def write_file(self, path: str, content: str) -> None:
