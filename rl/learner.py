@@ -1,0 +1,361 @@
+"""The learner: train state, optimizer, one jitted train step, log-prob evaluation.
+
+One `train_step(state, batch)` call is one RL iteration over a packed batch: its
+rows are split into `num_minibatches` mini-batches (one optimizer update each),
+each split into `num_microbatches` micro-batches whose gradients are accumulated
+in a `lax.scan`. Row i belongs to micro-batch i % (M*K) and mini-batch
+(i % (M*K)) // K: the packer emits rows longest-first, so striding balances the
+mini-batches, and every device keeps its own rows (no resharding).
+
+Log-probs are `log_softmax(logits / temperature)` of each token given the earlier
+tokens of its segment, computed from the model's hidden states by
+kernels.logprob.token_logprobs without materialising [N, V] logits.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kernels.kl import api as kl_api
+from kernels.logprob.api import token_logprobs
+from models import sharding
+from rl import loss as losses
+from rl.batch import Batch
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """The learner section of a run config, with defaults."""
+    c = ml_collections.ConfigDict()
+    c.num_minibatches = 1     # optimizer updates per train_step (rows split evenly)
+    c.num_microbatches = 1    # gradient-accumulation chunks per mini-batch
+    c.temperature = 1.0       # log-probs of log_softmax(logits / T): the sampler's T
+    c.logprob_impl = None     # kernels.logprob implementation; None picks per backend
+    c.seed = 0
+    c.optim = ml_collections.ConfigDict(dict(
+        lr=1e-6,
+        warmup_steps=0,       # linear warmup from 0 over this many optimizer updates
+        schedule="constant",  # after warmup: "constant" or "cosine"
+        decay_steps=0,        # cosine: updates from the end of warmup to the final lr
+        end_lr_frac=0.0,      # cosine: final lr as a fraction of lr
+        b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01,
+        max_grad_norm=1.0,    # global-norm clipping; 0 = off
+    ))
+    c.loss = ml_collections.ConfigDict(dict(
+        name="ppo",           # rl.loss.TOKEN_LOSSES: "ppo" or "sft"
+        agg="token-mean",     # rl.loss.AGGREGATIONS
+        eps_low=0.2, eps_high=0.28,
+        dual_clip=0.0,        # c > 1 bounds the loss of negative-advantage tokens; 0 = off
+        kl="none",            # "none", "k1", "k2", "k3", "k3plus" or "exact"
+        kl_coef=0.0,
+        old_logprobs="sampler",  # PPO ratio vs "sampler" log-probs or the "learner"'s own
+        tis_cap=0.0,          # truncated importance weight cap (needs old_logprobs="learner")
+    ))
+    return c
+
+
+@flax.struct.dataclass
+class TrainState:
+    """params: pure dict of parameter arrays (nnx.merge(graphdef, params) is the model);
+    opt_state: optax state; step: int32 train_step calls so far; rng: uint32 [2] key
+    carried (and checkpointed) for stochastic parts of a run."""
+
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def make_schedule(optim: ml_collections.ConfigDict) -> optax.Schedule:
+    """Learning rate per optimizer update: linear warmup 0 -> lr, then constant or cosine."""
+    if optim.schedule == "constant":
+        main = optax.constant_schedule(optim.lr)
+    elif optim.schedule == "cosine":
+        if optim.decay_steps <= 0:
+            raise ValueError("optim.decay_steps must be > 0 for the cosine schedule")
+        main = optax.cosine_decay_schedule(optim.lr, optim.decay_steps, alpha=optim.end_lr_frac)
+    else:
+        raise ValueError(f"optim.schedule must be 'constant' or 'cosine', got {optim.schedule!r}")
+    if not optim.warmup_steps:
+        return main
+    warmup = optax.linear_schedule(0.0, optim.lr, optim.warmup_steps)
+    return optax.join_schedules([warmup, main], [optim.warmup_steps])
+
+
+def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """AdamW on the schedule, after global-norm gradient clipping."""
+    optim = cfg.optim
+    adamw = optax.adamw(make_schedule(optim), b1=optim.b1, b2=optim.b2, eps=optim.eps,
+                        weight_decay=optim.weight_decay)
+    if not optim.max_grad_norm:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(optim.max_grad_norm), adamw)
+
+
+# --------------------------------------------------------------------------- state
+
+
+def _init_state(params, optimizer, seed: int) -> TrainState:
+    return TrainState(params=params, opt_state=optimizer.init(params),
+                      step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed))
+
+
+def state_shardings(abstract_state: TrainState, cfg, mesh: Mesh) -> TrainState:
+    """NamedShardings of a TrainState: parameters and their optimizer moments per
+    models.sharding rules, everything else replicated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    params = sharding.param_shardings(abstract_state.params, mesh)
+    opt_state = optax.tree_map_params(
+        make_optimizer(cfg), lambda _, s: s, abstract_state.opt_state, params,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding))
+    return TrainState(params=params, opt_state=opt_state, step=replicated, rng=replicated)
+
+
+def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, dict]:
+    """(graphdef, pure dict of parameters) of an NNX model (concrete or abstract)."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, nnx.to_pure_dict(params)
+
+
+def abstract_train_state(model: nnx.Module, cfg, mesh: Mesh | None = None):
+    """(graphdef, TrainState of jax.ShapeDtypeStruct with shardings); `model` may be
+    abstract (nnx.eval_shape), so nothing is allocated. For Checkpointer.restore."""
+    graphdef, params = split_params(model)
+    optimizer = make_optimizer(cfg)
+    shapes = jax.eval_shape(lambda p: _init_state(p, optimizer, cfg.seed), params)
+    if mesh is None:
+        return graphdef, shapes
+    shardings = state_shardings(shapes, cfg, mesh)
+    return graphdef, jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
+
+
+def init_train_state(model: nnx.Module, cfg, mesh: Mesh | None = None):
+    """(graphdef, TrainState) with the model's parameters, sharded over `mesh` if given."""
+    graphdef, params = split_params(model)
+    optimizer = make_optimizer(cfg)
+    init = functools.partial(_init_state, optimizer=optimizer, seed=cfg.seed)
+    if mesh is None:
+        return graphdef, jax.jit(init)(params)
+    shardings = state_shardings(jax.eval_shape(init, params), cfg, mesh)
+    params = jax.device_put(params, shardings.params)
+    return graphdef, jax.jit(init, out_shardings=shardings)(params)
+
+
+# --------------------------------------------------------------------------- batches
+
+
+def row_multiple(cfg, mesh: Mesh | None = None) -> int:
+    """Rows of a packed batch must be a multiple of this (mini x micro x data shards)."""
+    shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+    return cfg.num_minibatches * cfg.num_microbatches * shards
+
+
+def check_rows(batch: Batch, cfg, mesh: Mesh | None = None) -> None:
+    """Raises ValueError unless the batch's rows split evenly into micro-batches and shards."""
+    multiple = row_multiple(cfg, mesh)
+    if batch.tokens.shape[0] % multiple:
+        raise ValueError(
+            f"batch has {batch.tokens.shape[0]} rows, not a multiple of {multiple} "
+            f"(mini-batches {cfg.num_minibatches} x micro-batches {cfg.num_microbatches} x "
+            "data-parallel shards); pack with row_multiple=rl.learner.row_multiple(cfg, mesh)")
+
+
+def shard_batch(batch: Batch, mesh: Mesh | None = None) -> Batch:
+    """Host batch -> device arrays, rows split over data x fsdp."""
+    if mesh is None:
+        return jax.device_put(batch)
+    return jax.device_put(batch, sharding.data_sharding(mesh))
+
+
+def split_batch(batch: Batch, num_chunks: int, mesh: Mesh | None) -> Batch:
+    """[R, L] arrays -> [num_chunks, R / num_chunks, L]; chunk c holds rows i with
+    i % num_chunks == c, which keeps each device's rows on that device."""
+    rows = batch.tokens.shape[0]
+
+    def split(x):
+        x = jnp.swapaxes(x.reshape(rows // num_chunks, num_chunks, *x.shape[1:]), 0, 1)
+        if mesh is not None:
+            spec = PartitionSpec(None, ("data", "fsdp"), *([None] * (x.ndim - 2)))
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+        return x
+
+    return jax.tree.map(split, batch)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def policy_logprobs(graphdef, params, batch: Batch, cfg):
+    """(logp, entropy, hidden): [r, L] log-probs of each token given its segment's
+    earlier tokens and the tempered entropy there (0 where loss_mask is 0 and at
+    column 0), and the final hidden states [r, L, d]."""
+    model = nnx.merge(graphdef, params)
+    hidden = model(batch.tokens, batch.positions, batch.segment_ids)
+    rows, length, dim = hidden.shape
+    logp, entropy = token_logprobs(
+        hidden[:, :-1].reshape(-1, dim), model.lm_head(), batch.tokens[:, 1:].reshape(-1),
+        batch.loss_mask[:, 1:].reshape(-1), temperature=cfg.temperature,
+        implementation=cfg.logprob_impl)
+    pad = lambda x: jnp.pad(x.reshape(rows, length - 1), ((0, 0), (1, 0)))
+    return pad(logp), pad(entropy), hidden
+
+
+def exact_kl_tokens(graphdef, params, ref_params, hidden, batch: Batch, cfg):
+    """[r, L] KL(policy || reference) over the full vocabulary at each loss token
+    (0 elsewhere); hidden: the policy's [r, L, d]. The reference is a constant."""
+    ref_model = nnx.merge(graphdef, jax.lax.stop_gradient(ref_params))
+    ref_hidden = ref_model(batch.tokens, batch.positions, batch.segment_ids)
+    rows, length, dim = hidden.shape
+    kl = kl_api.exact_kl(
+        hidden[:, :-1].reshape(-1, dim), nnx.merge(graphdef, params).lm_head(),
+        ref_hidden[:, :-1].reshape(rows * (length - 1), -1), ref_model.lm_head(),
+        batch.loss_mask[:, 1:].reshape(-1), temperature=cfg.temperature)
+    return jnp.pad(kl.reshape(rows, length - 1), ((0, 0), (1, 0)))
+
+
+def make_compute_logprobs(graphdef, cfg, mesh: Mesh | None = None):
+    """Jitted `compute_logprobs(params, batch) -> logp [R, L]` (no gradient), evaluated
+    in mini x micro-batch chunks like the train step. For reference and learner-side
+    old log-probs."""
+    num_chunks = cfg.num_minibatches * cfg.num_microbatches
+
+    @jax.jit
+    def compute_logprobs(params, batch: Batch):
+        chunks = split_batch(batch, num_chunks, mesh)
+        logp = jax.lax.map(lambda mb: policy_logprobs(graphdef, params, mb, cfg)[0], chunks)
+        rows = batch.tokens.shape[0]
+        return jnp.swapaxes(logp, 0, 1).reshape(rows, -1)
+
+    def run(params, batch: Batch):
+        check_rows(batch, cfg, mesh)
+        if isinstance(batch.tokens, np.ndarray):
+            batch = shard_batch(batch, mesh)
+        return compute_logprobs(params, batch)
+
+    return run
+
+
+# --------------------------------------------------------------------------- train step
+
+
+def _reduce_metric(name: str, values, axis=0):
+    if name.endswith("_max"):
+        return jnp.max(values, axis=axis)
+    if name.endswith("_min"):
+        return jnp.min(values, axis=axis)
+    return jnp.sum(values, axis=axis)
+
+
+def make_train_step(graphdef, cfg, mesh: Mesh | None = None):
+    """`train_step(state, batch, ref_params=None) -> (state, metrics)`.
+
+    batch: a `Batch` (host NumPy is placed on the mesh) whose rows are a multiple of
+    `row_multiple(cfg, mesh)`. ref_params: reference parameters, needed only for
+    loss.kl == "exact". The state is donated. metrics: device scalars (means over
+    mini-batches; grad_norm before clipping, lr of the first update). A non-finite
+    loss or gradient norm raises FloatingPointError naming the train step.
+    """
+    losses.check_config(cfg.loss)
+    optimizer = make_optimizer(cfg)
+    schedule = make_schedule(cfg.optim)
+    num_mini, num_micro = cfg.num_minibatches, cfg.num_microbatches
+    learner_old = cfg.loss.old_logprobs == "learner"
+
+    def micro_loss(params, mb, weights, token_weights, old_logp, ref_params):
+        logp, entropy, hidden = policy_logprobs(graphdef, params, mb, cfg)
+        kl_tok = None
+        if cfg.loss.kl == "exact":
+            kl_tok = exact_kl_tokens(graphdef, params, ref_params, hidden, mb, cfg)
+        return losses.policy_loss(cfg.loss, logp, entropy, mb, weights, token_weights,
+                                  old_logp=old_logp, kl_tok=kl_tok)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def minibatch_update(carry, xs, ref_params):
+        params, opt_state = carry
+        mb, old_logp = xs  # [K, r, L]
+        weights = losses.AGGREGATIONS[cfg.loss.agg](mb.loss_mask, mb.seq_num_tokens)
+        token_weights = losses.token_mean_weights(mb.loss_mask, None)
+
+        def accumulate(acc, micro):
+            (_, metrics), grads = grad_fn(params, *micro, ref_params)
+            acc_grads, acc_metrics = acc
+            acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
+            acc_metrics = {k: _reduce_metric(k, jnp.stack([acc_metrics[k], v]))
+                           for k, v in metrics.items()}
+            return (acc_grads, acc_metrics), None
+
+        metric_shapes = jax.eval_shape(
+            lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], (mb, weights, token_weights,
+                                                                    old_logp)), ref_params)[0][1])
+        init_metrics = {k: jnp.full((), -jnp.inf if k.endswith("_max") else
+                                    jnp.inf if k.endswith("_min") else 0.0, v.dtype)
+                        for k, v in metric_shapes.items()}
+        init = (jax.tree.map(jnp.zeros_like, params), init_metrics)
+        (grads, metrics), _ = jax.lax.scan(
+            accumulate, init, (mb, weights, token_weights, old_logp))
+        metrics["grad_norm"] = optax.tree.norm(grads)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), metrics
+
+    def step_fn(state: TrainState, batch: Batch, ref_params):
+        chunks = split_batch(batch, num_mini * num_micro, mesh)
+        if learner_old:
+            old = jax.lax.map(
+                lambda mb: policy_logprobs(graphdef, state.params, mb, cfg)[0], chunks)
+            old = jax.lax.stop_gradient(old)
+        else:
+            old = chunks.old_logprobs
+        to_mini = lambda x: x.reshape(num_mini, num_micro, *x.shape[1:])
+        xs = jax.tree.map(to_mini, (chunks, old))
+        (params, opt_state), metrics = jax.lax.scan(
+            functools.partial(minibatch_update, ref_params=ref_params),
+            (state.params, state.opt_state), xs)
+        finite = jnp.all(jnp.isfinite(metrics["loss"])) & jnp.all(
+            jnp.isfinite(metrics["grad_norm"]))
+        metrics = {k: _reduce_metric(k, v) / (1 if k.endswith(("_max", "_min")) else num_mini)
+                   for k, v in metrics.items()}
+        metrics.update(finite=finite, step=state.step,
+                       lr=schedule(state.step * num_mini),
+                       loss_tokens=jnp.sum(batch.loss_mask))
+        new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
+                               rng=state.rng)
+        return new_state, metrics
+
+    jitted = {}
+
+    def train_step(state: TrainState, batch: Batch, ref_params=None):
+        if cfg.loss.kl == "exact" and ref_params is None:
+            raise ValueError("loss.kl='exact' needs ref_params in train_step")
+        if cfg.loss.kl not in ("none", "exact") and batch.ref_logprobs is None:
+            raise ValueError(f"loss.kl={cfg.loss.kl!r} needs batch.ref_logprobs")
+        check_rows(batch, cfg, mesh)
+        if isinstance(batch.tokens, np.ndarray):
+            batch = shard_batch(batch, mesh)
+        if "fn" not in jitted:
+            out_shardings = None
+            if mesh is not None:
+                out_shardings = (jax.tree.map(lambda x: x.sharding, state),
+                                 NamedSharding(mesh, PartitionSpec()))
+            jitted["fn"] = jax.jit(step_fn, donate_argnums=0, out_shardings=out_shardings)
+        state, metrics = jitted["fn"](state, batch, ref_params)
+        finite, step = jax.device_get((metrics["finite"], metrics["step"]))
+        if not finite:
+            raise FloatingPointError(f"non-finite loss or gradient norm at train step {int(step)}")
+        return state, metrics
+
+    return train_step

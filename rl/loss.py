@@ -1,0 +1,193 @@
+"""Policy losses: per-token objectives, aggregation weights, KL and TIS terms.
+
+Everything here is per token over arrays of one shape (e.g. a micro-batch [r, L])
+and pure. Which log-probs are which:
+- `sampler_logp` (Batch.old_logprobs): what the inference engine reported when it
+  generated the token, `log_softmax(logits / T)` under the rollout policy.
+- `old_logp`: the PPO ratio's denominator. Either the sampler's log-probs
+  (cfg.old_logprobs = "sampler") or the learner's own log-probs of the same
+  tokens, recomputed with the parameters at the start of the train step
+  (cfg.old_logprobs = "learner"); only then is truncated importance sampling
+  (TIS) between the two meaningful.
+- `logp`: the learner's current log-probs, the only differentiated input.
+
+Aggregation turns per-token losses into one scalar through weights w with
+loss = sum(w * loss_tok). Weights are computed over a whole mini-batch (one
+optimizer update), so summing micro-batch losses gives exactly the
+mini-batch loss and gradient accumulation is exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from kernels.kl import api as kl_api
+
+# --------------------------------------------------------------------------- per-token losses
+
+
+def ppo_token_loss(logp, old_logp, adv, *, eps_low: float, eps_high: float,
+                   dual_clip: float = 0.0):
+    """Asymmetric clipped surrogate with optional dual clip; arrays of one shape.
+
+    ratio    = exp(logp - old_logp)
+    loss_tok = -min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)
+    dual clip (c = dual_clip > 1): where A < 0, loss_tok = min(loss_tok, -c * A)
+
+    Returns (loss_tok, stats) with per-token indicators for the metrics.
+    """
+    ratio = jnp.exp(logp - old_logp)
+    unclipped = ratio * adv
+    clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high) * adv
+    loss_tok = -jnp.minimum(unclipped, clipped)
+    stats = {
+        "ratio": ratio,
+        "clip_low": ((adv < 0) & (ratio < 1.0 - eps_low)).astype(jnp.float32),
+        "clip_high": ((adv > 0) & (ratio > 1.0 + eps_high)).astype(jnp.float32),
+    }
+    if dual_clip:
+        if dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 (or 0 for off), got {dual_clip}")
+        bound = -dual_clip * adv
+        dual = (adv < 0) & (loss_tok > bound)
+        loss_tok = jnp.where(adv < 0, jnp.minimum(loss_tok, bound), loss_tok)
+        stats["dual_clip"] = dual.astype(jnp.float32)
+    return loss_tok, stats
+
+
+def sft_token_loss(logp, old_logp, adv, **_):
+    """Cross-entropy on the trained tokens: loss_tok = -logp (old_logp, adv unused)."""
+    del old_logp, adv
+    return -logp, {}
+
+
+TOKEN_LOSSES: dict[str, Callable] = {"ppo": ppo_token_loss, "sft": sft_token_loss}
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def num_sequences(mask, seq_num_tokens):
+    """Sequences with at least one loss token: sum over loss tokens of 1 / n_seq."""
+    return jnp.sum(mask / jnp.maximum(seq_num_tokens, 1.0))
+
+
+def token_mean_weights(mask, seq_num_tokens):
+    """w = mask / N, N = loss tokens in the mini-batch (DAPO's token-level mean)."""
+    del seq_num_tokens
+    return mask / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def seq_mean_token_sum_weights(mask, seq_num_tokens):
+    """w = mask / S, S = sequences in the mini-batch: mean over sequences of token sums."""
+    return mask / jnp.maximum(num_sequences(mask, seq_num_tokens), 1.0)
+
+
+def seq_mean_token_mean_weights(mask, seq_num_tokens):
+    """w = mask / (n_seq * S): mean over sequences of each sequence's token mean."""
+    per_seq = mask / jnp.maximum(seq_num_tokens, 1.0)
+    return per_seq / jnp.maximum(num_sequences(mask, seq_num_tokens), 1.0)
+
+
+AGGREGATIONS: dict[str, Callable] = {
+    "token-mean": token_mean_weights,
+    "seq-mean-token-sum": seq_mean_token_sum_weights,
+    "seq-mean-token-mean": seq_mean_token_mean_weights,
+}
+
+# --------------------------------------------------------------------------- KL and TIS
+
+KL_ESTIMATORS: dict[str, Callable] = {
+    "k1": kl_api.kl_k1, "k2": kl_api.kl_k2, "k3": kl_api.kl_k3, "k3plus": kl_api.kl_k3plus,
+}
+KL_KINDS = ("none", *KL_ESTIMATORS, "exact")
+
+
+def tis_weight(old_logp, sampler_logp, cap: float):
+    """Truncated importance weight w = min(exp(old_logp - sampler_logp), cap), no gradient.
+
+    Corrects for the sampler's numerics differing from the learner's
+    (old_logp: learner at the step start; sampler_logp: the engine's).
+    """
+    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - sampler_logp), cap))
+
+
+# --------------------------------------------------------------------------- the loss
+
+
+def check_config(cfg) -> None:
+    """Raises ValueError naming the first bad loss option of `cfg` (the loss section)."""
+    if cfg.name not in TOKEN_LOSSES:
+        raise ValueError(f"loss.name {cfg.name!r} unknown; known: {sorted(TOKEN_LOSSES)}")
+    if cfg.agg not in AGGREGATIONS:
+        raise ValueError(f"loss.agg {cfg.agg!r} unknown; known: {sorted(AGGREGATIONS)}")
+    if cfg.kl not in KL_KINDS:
+        raise ValueError(f"loss.kl {cfg.kl!r} unknown; known: {list(KL_KINDS)}")
+    if cfg.old_logprobs not in ("sampler", "learner"):
+        raise ValueError(f"loss.old_logprobs must be 'sampler' or 'learner', got "
+                         f"{cfg.old_logprobs!r}")
+    if cfg.tis_cap and cfg.old_logprobs != "learner":
+        raise ValueError("loss.tis_cap needs loss.old_logprobs='learner' (TIS compares the "
+                         "learner's old log-probs with the sampler's)")
+    if cfg.dual_clip and cfg.dual_clip <= 1.0:
+        raise ValueError(f"loss.dual_clip must be > 1 (or 0 for off), got {cfg.dual_clip}")
+
+
+def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp, kl_tok=None):
+    """Scalar loss of a micro-batch and its metric contributions.
+
+    cfg: the loss section (name, agg, eps_low, eps_high, dual_clip, kl, kl_coef,
+      old_logprobs, tis_cap).
+    logp, entropy: [...] current log-probs and tempered entropies (0 off the mask).
+    mb: the micro-batch (`rl.batch.Batch` of [...] arrays).
+    weights: [...] aggregation weights (AGGREGATIONS[cfg.agg] over the mini-batch).
+    token_weights: [...] mask / (mini-batch loss tokens), for token-mean metrics.
+    old_logp: [...] the ratio's denominator (see module docstring).
+    kl_tok: [...] per-token KL to the reference when cfg.kl == "exact", else None.
+
+    loss = sum(w * (tis * loss_tok + kl_coef * kl_tok)).
+    Metrics are sums whose total over a mini-batch's micro-batches is the
+    mini-batch value (token means; "_max"/"_min" keys reduce by max/min).
+    """
+    valid = mb.loss_mask > 0
+    # Off-mask values never enter the arithmetic, so they cannot leak NaN/Inf into
+    # the loss or its gradient.
+    zero = lambda x: jnp.where(valid, x, 0.0)
+    old_logp, adv, sampler_logp = zero(old_logp), zero(mb.advantages), zero(mb.old_logprobs)
+
+    loss_tok, stats = TOKEN_LOSSES[cfg.name](
+        logp, old_logp, adv, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
+    metrics = {}
+    if cfg.tis_cap:
+        tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap)
+        loss_tok = loss_tok * tis
+        metrics["tis_mean"] = jnp.sum(token_weights * tis)
+        metrics["tis_clip_frac"] = jnp.sum(token_weights * (tis >= cfg.tis_cap))
+    pg_loss = jnp.sum(weights * zero(loss_tok))
+    loss = pg_loss
+    if cfg.kl != "none":
+        if cfg.kl != "exact":
+            kl_tok = KL_ESTIMATORS[cfg.kl](logp, zero(mb.ref_logprobs))
+        kl_tok = zero(kl_tok)
+        loss = loss + cfg.kl_coef * jnp.sum(weights * kl_tok)
+        metrics["kl_ref"] = jnp.sum(token_weights * kl_tok)
+
+    metrics.update(loss=loss, pg_loss=pg_loss,
+                   entropy=jnp.sum(token_weights * jax.lax.stop_gradient(entropy)))
+    if "ratio" in stats:
+        ratio = jax.lax.stop_gradient(stats["ratio"])
+        # KL(old || current) with samples from old: k3 with the roles of the two swapped.
+        kl_old = kl_api.kl_k3(old_logp, jax.lax.stop_gradient(logp))
+        metrics.update(
+            kl_old=jnp.sum(token_weights * zero(kl_old)),
+            ratio_mean=jnp.sum(token_weights * ratio),
+            ratio_max=jnp.max(jnp.where(valid, ratio, -jnp.inf)),
+            ratio_min=jnp.min(jnp.where(valid, ratio, jnp.inf)))
+    for name in ("clip_low", "clip_high", "dual_clip"):
+        if name in stats:
+            metrics[f"{name}_frac"] = jnp.sum(token_weights * stats[name])
+    if "clip_low" in stats:
+        metrics["clip_frac"] = metrics["clip_low_frac"] + metrics["clip_high_frac"]
+    return loss, metrics
