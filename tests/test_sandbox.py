@@ -395,8 +395,9 @@ def test_pool_retries_transient_creation_errors():
         SandboxPool(flaky, max_concurrent=0)
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 @pytest.mark.parametrize("backend", ["local", "docker"])
-def test_pool_closes_everything_on_sigterm(backend, request, tmp_path):
+def test_pool_closes_everything_on_signals(backend, signum, request, tmp_path):
     args = {"local": "", "docker": f"image={IMAGE!r}"}[backend]
     if backend == "docker":
         _, _ = request.getfixturevalue("docker_image")
@@ -424,8 +425,9 @@ def test_pool_closes_everything_on_sigterm(backend, request, tmp_path):
     while len(host_processes(sleep, exact=True)) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(host_processes(sleep, exact=True)) == 2
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 128 + signal.SIGTERM
+    proc.send_signal(signum)
+    # SIGTERM: SystemExit(128 + 15) from the pool's handler; SIGINT: KeyboardInterrupt.
+    assert proc.wait(30) == (128 + signum if signum == signal.SIGTERM else -signum)
     pool_id = lines[0][0]
     assert host_processes(sleep) == []
     if backend == "docker":

@@ -10,7 +10,9 @@
 from the block, whatever ends it. Every live sandbox is tracked; `close()` closes them
 all and runs `on_close` (for docker: remove any container labelled with this pool's
 id, covering one whose creation was cut short). All pools are also closed at
-interpreter exit and on SIGTERM.
+interpreter exit and on SIGTERM (then the process exits with 128 + 15, or the previous
+handler runs); Ctrl-C cancels `asyncio.run`'s tasks, whose `acquire` blocks close
+their sandboxes.
 """
 
 from __future__ import annotations
@@ -201,7 +203,8 @@ def _register(pool: SandboxPool) -> None:
     if "atexit" not in _HOOKS:
         atexit.register(close_all_pools)
         _HOOKS["atexit"] = True
-    # Signal handlers can only be installed from the main thread.
-    if "sigterm" not in _HOOKS and threading.current_thread() is threading.main_thread():
+    # Signal handlers can only be installed from the main thread; an ignored SIGTERM stays so.
+    if ("sigterm" not in _HOOKS and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN):
         _HOOKS["sigterm"] = signal.signal(signal.SIGTERM, _on_sigterm)
     _POOLS.add(pool)
