@@ -155,7 +155,7 @@ def test_timeout_kills_and_sandbox_survives(make):
     res = sb.run(f"echo started; {sleep}", timeout=1)
     assert res.timed_out and res.exit_code == -1
     assert res.output == "started\n"
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 15
     assert host_processes(sleep) == []
     ok = sb.run("echo ok")
     assert (ok.exit_code, ok.output, ok.timed_out) == (0, "ok\n", False)
@@ -167,7 +167,7 @@ def test_background_processes_do_not_outlive_the_call(make):
     start = time.monotonic()
     res = sb.run(f"{sleep} & echo bg")
     assert (res.exit_code, res.output, res.timed_out) == (0, "bg\n", False)
-    assert time.monotonic() - start < 1.5  # not held up by the background job's open pipe
+    assert time.monotonic() - start < 10  # not held up by the background job's open pipe
     assert host_processes(sleep) == []
 
 
@@ -186,7 +186,7 @@ def test_fork_bomb_is_contained(make):
                                    {"limits": LocalLimits(max_processes=128)}))
     start = time.monotonic()
     res = sb.run(":(){ :|:& };:; sleep 3", timeout=2)
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 30
     assert res.timed_out
     after = sb.run("ps -e --no-headers | wc -l" if make.backend == "docker" else "echo ok")
     assert after.exit_code == 0
@@ -333,12 +333,16 @@ def leftovers(pool, client, sandboxes, marker):
 def test_pool_bounds_concurrency(backend, request):
     pool, client = pool_for(backend, request, max_concurrent=2)
     active, peak = 0, 0
+    two_alive = asyncio.Event()
 
     async def episode(i):
         nonlocal active, peak
         async with pool.acquire({"repo_files": {"i.txt": f"{i}\n"}}) as sb:
             active += 1
             peak = max(peak, active)
+            if active == 2:
+                two_alive.set()
+            await asyncio.wait_for(two_alive.wait(), 120)  # the first two overlap
             res = await pool.call(sb.run, "sleep 0.3; cat i.txt")
             active -= 1
             return res.output
@@ -356,13 +360,19 @@ def test_pool_cleans_up_after_exceptions_and_cancellation(backend, request):
     pool, client = pool_for(backend, request, max_concurrent=3)
     sleep = marker_sleep()
     seen = []
+    all_acquired = asyncio.Event()
 
     async def failing(i):
         async with pool.acquire({"repo_files": FILES}) as sb:
             seen.append(sb)
+            if len(seen) == 3:
+                all_acquired.set()
+            await asyncio.wait_for(all_acquired.wait(), 120)
             if i == 0:
-                await pool.call(sb.run, sleep, 60)  # cancelled by the failure below
-            await asyncio.sleep(0.5)
+                await pool.call(sb.run, sleep, 60)  # cancelled by the failures below
+            deadline = time.monotonic() + 30
+            while not host_processes(sleep, exact=True) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             raise RuntimeError(f"episode {i} crashed")
 
     async def main():
