@@ -51,6 +51,7 @@ def main(argv=None) -> None:
 
     # ------------------------------------------------------------------ config
     config = common.load_config(args.config)
+    setup.check_config(config)
     if args.dry_run:
         print(json.dumps(setup.dry_run(config), indent=1))
         return

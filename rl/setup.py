@@ -27,6 +27,33 @@ from rl import learner, prefix
 from rl.rollout import Agent, RolloutJob
 from rl.types import Trajectory, Turn
 
+# ------------------------------------------------------------------ checks
+
+
+def check_config(config) -> None:
+    """Combinations that no single section can check; each error names the keys."""
+    from rl import advantages, loss
+
+    if config.algo not in ("grpo", "spo"):
+        raise ValueError(f"algo must be 'grpo' or 'spo', got {config.algo!r}")
+    if config.algo == "grpo":
+        advantages.get(config.advantage)
+        if config.group_size < 2:
+            raise ValueError(f"algo='grpo' needs group_size >= 2, got {config.group_size}")
+    if config.algo == "spo" and config.ps.enabled:
+        raise ValueError("ps.enabled needs algo='grpo' (Prefix Sampling classifies groups)")
+    if config.algo == "spo" and config.spo.in_flight < config.batch_tasks:
+        raise ValueError(f"spo.in_flight ({config.spo.in_flight}) must be >= batch_tasks "
+                         f"({config.batch_tasks})")
+    if config.engine.kind == "embedded" and config.engine.max_len < config.rollout.max_context:
+        raise ValueError(f"engine.max_len ({config.engine.max_len}) must be >= "
+                         f"rollout.max_context ({config.rollout.max_context})")
+    if max(config.learner.row_buckets) < config.rollout.max_context:
+        raise ValueError(f"the longest learner.row_buckets ({max(config.learner.row_buckets)}) "
+                         f"must hold rollout.max_context ({config.rollout.max_context})")
+    loss.check_config(config.learner.loss)
+
+
 # ------------------------------------------------------------------ tasks
 
 
@@ -326,6 +353,7 @@ def dry_run(config) -> dict[str, Any]:
     rollout budgets and (for SGLang) the server command line. Returns a summary."""
     from rl.rollout import RolloutConfig
 
+    check_config(config)
     vocab = None if config.model.hf_path else config.tokenizer.get("bpe_vocab_size", None)
     if config.model.hf_path and not os.path.exists(config.model.hf_path):
         cfg = dataclasses.replace(qwen3.PRESETS[config.model.preset],

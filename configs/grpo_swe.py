@@ -1,0 +1,78 @@
+"""DeepSWE-style baseline: GRPO + rejection sampling on R2E-Gym rows, SGLang, Docker.
+
+64 tasks x 8 rollouts per step, at most 50 agent steps, clip-high 0.28, no KL,
+leave-one-out advantages without std normalisation, all-pass / all-fail groups
+dropped. Weights come from a HF Qwen3 directory; SGLang serves them with tensor
+parallelism and receives the trained weights through /update_weights_from_disk.
+
+    python train.py --config configs/grpo_swe.py:model_path=/models/Qwen3-14B \\
+        --workdir /ckpt/grpo_swe
+    python train.py --config configs/grpo_swe.py --workdir /tmp/x --dry_run
+
+Options: model (a models.qwen3 preset), model_path (HF directory), train/eval (JSONL
+of R2E-Gym or SWE-bench rows), tp (SGLang tensor parallel size), servers.
+"""
+
+import ml_collections
+
+from configs import common
+from rl import learner
+
+
+def get_config(arg=None):
+    arg = common.parse_arg(arg, model="qwen3-14b", model_path="/models/Qwen3-14B",
+                           train="data/r2e_gym_subset.jsonl",
+                           eval="data/swe_bench_verified.jsonl", tp=2, servers=4, seed=0)
+    c = ml_collections.ConfigDict()
+    c.seed = arg.seed
+    c.total_steps = 200
+
+    c.model = dict(preset=arg.model, hf_path=arg.model_path, dtype="bfloat16",
+                   param_dtype="float32")
+    c.tokenizer = dict(path=arg.model_path, bpe_vocab_size=0)
+    c.mesh = dict(data=1, fsdp=-1, tensor=1)
+
+    sglang = common.sglang_defaults()
+    sglang.update(launch=True, ports=tuple(30000 + i for i in range(arg.servers)),
+                  tp_size=arg.tp, extra_args=("--dtype", "bfloat16"))
+    c.engine = dict(kind="sglang", max_batch=0, max_len=65536, sglang=sglang)
+
+    c.env = dict(backend="docker", tasks=f"{arg.train}|{arg.eval}", train_tasks=0,
+                 eval_tasks=500, difficulties=(), task_seed=0, eval_seed=0, image="",
+                 max_concurrent=512, tools_in_prompt=True)
+
+    c.rollout = dict(max_steps=50, max_turn_tokens=4096, max_response_tokens=32768,
+                     max_context=65536, wall_timeout_s=3600.0, temperature=1.0, top_p=1.0,
+                     top_k=-1, test_timeout_s=600.0, env_retries=2)
+
+    c.algo = "grpo"
+    c.advantage = "rloo"
+    c.reject_degenerate = True
+    c.batch_tasks = 64
+    c.group_size = 8
+
+    c.ps = common.prefix_defaults(enabled=False)
+    c.spo = common.spo_defaults()
+
+    c.learner = learner.default_config()
+    c.learner.seed = arg.seed
+    c.learner.temperature = c.rollout.temperature
+    c.learner.num_minibatches = 4
+    c.learner.num_microbatches = 16
+    c.learner.optim.lr = 1e-6
+    c.learner.optim.warmup_steps = 10
+    c.learner.optim.weight_decay = 0.01
+    c.learner.loss.agg = "seq-mean-token-sum"
+    c.learner.loss.eps_low, c.learner.loss.eps_high = 0.2, 0.28
+    c.learner.loss.kl, c.learner.loss.kl_coef = "none", 0.0
+    c.learner.row_buckets = (16384, 32768, 65536)
+
+    c.sft = dict(steps=0, batch_size=0, lr=0.0, warmup_steps=0, num_demos=0,
+                 imperfect_share=0.0)
+
+    c.eval_every = 10
+    c.eval_temperature = 0.0
+    c.ckpt_every = 5
+    c.ckpt_keep = 3
+    c.log_texts_every = 5
+    return common.lock(c)
