@@ -237,9 +237,9 @@ class LocalSandbox(base.Sandbox):
             os.close(status_r)
             with self._lock:
                 self._running.discard(proc)
+        if self._closed:
+            raise base.SandboxError("sandbox was closed while the command ran")
         if len(status) != 3:
-            if self._closed:
-                raise base.SandboxError("sandbox was closed while the command ran")
             raise base.SandboxError(f"command supervisor failed (exit {proc.returncode}): "
                                     + bytes(err).decode(errors="replace"))
         if status[2] != b"1":
