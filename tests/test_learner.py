@@ -63,15 +63,23 @@ def test_packed_logprobs_equal_each_sequence_alone():
     compute = learner.make_compute_logprobs(graphdef, cfg)
     got = unpack(np.asarray(compute(state.params, packed)), info)
 
-    model = nnx.merge(graphdef, state.params)
-    for (ids, mask, _), logp in zip(seqs, got, strict=True):
-        # independent reference: the model alone on this sequence, full log_softmax
-        hidden = model(jnp.asarray(ids)[None], jnp.arange(len(ids))[None])[0]
+    # Independent reference: each sequence alone in its own row (plain causal attention,
+    # trailing padding cannot reach earlier tokens), full log_softmax over the vocabulary.
+    width = max(len(ids) for ids, _, _ in seqs)
+    tokens = np.stack([np.pad(ids, (0, width - len(ids))) for ids, _, _ in seqs])
+
+    @jax.jit
+    def reference(params, tokens):
+        model = nnx.merge(graphdef, params)
+        hidden = model(tokens, jnp.broadcast_to(jnp.arange(width), tokens.shape))
         logits = hidden @ model.lm_head() / cfg.temperature
-        full = jax.nn.log_softmax(logits[:-1], axis=-1)
-        expected = np.take_along_axis(np.asarray(full), ids[1:, None], axis=1)[:, 0]
+        full = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        return jnp.take_along_axis(full, tokens[:, 1:, None], axis=-1)[..., 0]
+
+    expected_rows = np.asarray(reference(state.params, tokens))
+    for (ids, mask, _), logp, expected in zip(seqs, got, expected_rows, strict=True):
         trained = mask[1:] > 0
-        np.testing.assert_allclose(logp[1:][trained], expected[trained], atol=1e-5)
+        np.testing.assert_allclose(logp[1:][trained], expected[:len(ids) - 1][trained], atol=1e-5)
         assert not logp[1:][~trained].any() and logp[0] == 0
 
 
@@ -130,11 +138,11 @@ def test_masked_tokens_have_no_influence():
                             advantages=noise(batch.advantages),
                             ref_logprobs=noise(batch.ref_logprobs))
     changed.old_logprobs[off & (batch.segment_ids > 0)] = np.inf
+    graphdef, _ = new_state(cfg)
+    train_step = learner.make_train_step(graphdef, cfg)
     results = []
     for b in (batch, changed):
-        graphdef, state = new_state(cfg)
-        train_step = learner.make_train_step(graphdef, cfg)
-        state, metrics = train_step(state, b)
+        state, metrics = train_step(new_state(cfg)[1], b)
         results.append(jax.device_get((state.params, metrics)))
     (params_a, metrics_a), (params_b, metrics_b) = results
     assert metrics_a.keys() == metrics_b.keys()
@@ -176,3 +184,29 @@ def test_schedule_warmup_then_cosine():
     schedule = learner.make_schedule(cfg.optim)
     np.testing.assert_allclose([schedule(i) for i in (0, 2, 4, 9, 14, 20)],
                                [0.0, 0.5, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1], atol=1e-6)
+
+
+def test_exact_kl_matches_full_softmax():
+    cfg = make_cfg(kl="exact", kl_coef=0.1)
+    batch, _ = make_batch(rows_multiple=1)
+    graphdef, state = new_state(cfg)
+    ref_params = nnx.to_pure_dict(nnx.split(Qwen3(TINY, rngs=nnx.Rngs(1)), nnx.Param)[1])
+
+    @jax.jit
+    def reference(params, ref_params):
+        def log_probs(p):
+            model = nnx.merge(graphdef, p)
+            hidden = model(batch.tokens, batch.positions, batch.segment_ids)
+            return jax.nn.log_softmax(hidden[:, :-1] @ model.lm_head() / cfg.temperature, -1)
+        logp, ref_logp = log_probs(params), log_probs(ref_params)
+        kl = jnp.sum(jnp.exp(logp) * (logp - ref_logp), axis=-1)
+        mask = batch.loss_mask[:, 1:]
+        return jnp.sum(kl * mask) / jnp.sum(mask)
+
+    expected = float(reference(state.params, ref_params))
+    train_step = learner.make_train_step(graphdef, cfg)
+    with pytest.raises(ValueError, match="ref_params"):
+        train_step(state, batch)
+    _, metrics = train_step(state, batch, ref_params)
+    assert expected > 0.01
+    np.testing.assert_allclose(float(metrics["kl_ref"]), expected, rtol=1e-5)
