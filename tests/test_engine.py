@@ -1,7 +1,6 @@
 """EmbeddedEngine against the full forward pass, the log-prob kernel and a naive sampler."""
 
 import asyncio
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    eng = EmbeddedEngine(model, max_batch=32, max_len=64, seed=0)
+    eng = EmbeddedEngine(model, max_batch=32, max_len=64, min_len=32, seed=0)
     yield eng
     eng.close()
 
@@ -114,7 +113,7 @@ def test_stop_ids_and_max_new_tokens(engine):
 
 def test_seeded_sampling_is_reproducible(engine):
     ids = prompt(4, 6)
-    a, b, c = run(engine.generate([GenerateRequest(ids, 16, seed=s) for s in (7, 7, 8)]))
+    a, b, c = (run(engine.generate([GenerateRequest(ids, 16, seed=s)]))[0] for s in (7, 7, 8))
     assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
     assert a.output_ids != c.output_ids
 
@@ -158,8 +157,8 @@ def test_update_weights_from_params_and_hf_dir(model, tmp_path):
 
     other = tiny_model(1)
     reqs = [GenerateRequest(prompt(5, 8), 10, temperature=0.0)]
-    with EmbeddedEngine(model, max_batch=4, max_len=64) as eng, \
-            EmbeddedEngine(other, max_batch=4, max_len=64) as ref:
+    with EmbeddedEngine(model, max_batch=4, max_len=64, min_len=32) as eng, \
+            EmbeddedEngine(other, max_batch=4, max_len=64, min_len=32) as ref:
         before = run(eng.generate(reqs))[0].output_ids
         expected = run(ref.generate(reqs))[0].output_ids
         assert before != expected
@@ -168,9 +167,9 @@ def test_update_weights_from_params_and_hf_dir(model, tmp_path):
         hf_io.save_hf(model, CFG, str(tmp_path / "hf"))
         run(eng.update_weights(str(tmp_path / "hf")))
         assert run(eng.generate(reqs))[0].output_ids == before
-        wrong = Qwen3(dataclasses.replace(CFG, hidden_size=32), rngs=nnx.Rngs(0))
+        wrong = jax.tree.map(lambda x: x[:1], nnx.state(other, nnx.Param))
         with pytest.raises(ValueError, match="shape"):
-            run(eng.update_weights(nnx.state(wrong, nnx.Param)))
+            run(eng.update_weights(wrong))
 
 
 def test_bad_requests_are_named(engine):
@@ -228,3 +227,14 @@ def test_sample_frequencies_follow_truncated_softmax():
         np.testing.assert_allclose(freq, p, atol=0.015)
         full = scaled - np.log(np.exp(scaled).sum())
         np.testing.assert_allclose(np.asarray(logp), full[np.asarray(tokens)], atol=1e-5)
+
+
+def test_server_builds_engine_from_training_config():
+    from configs.common import load_config
+    from inference.server import engine_from_config
+
+    engine, model_path = engine_from_config(load_config("configs/default.py:smoke"))
+    with engine:
+        assert model_path is None
+        assert (engine.cfg.hidden_size, engine.cfg.num_layers) == (64, 1)
+        assert engine.max_batch == 64 and engine.max_len == 2048
