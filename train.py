@@ -84,7 +84,7 @@ def main(argv=None) -> None:
                              row_multiple=row_multiple, pad_id=tokenizer.pad_id)
 
     # ------------------------------------------------------------------ engine
-    engine = setup.engine(config, graphdef, state.params, workdir)
+    engine = setup.engine(config, graphdef, state.params, workdir, model_cfg)
 
     # ------------------------------------------------------------------ environment
     sandbox_factory = setup.sandbox_factory(config.env)

@@ -143,7 +143,7 @@ def engine_params(params):
 # ------------------------------------------------------------------ engine
 
 
-def engine(config, graphdef, params, workdir: str):
+def engine(config, graphdef, params, workdir: str, model_cfg: qwen3.Qwen3Config):
     """The embedded JAX sampler, or a client of SGLang servers (launched if asked)."""
     if config.engine.kind == "embedded":
         from inference.embedded import EmbeddedEngine
@@ -154,7 +154,7 @@ def engine(config, graphdef, params, workdir: str):
     if config.engine.kind == "sglang":
         from inference import sglang
 
-        return sglang.from_config(config, workdir)
+        return sglang.from_config(config, workdir, model_config=model_cfg)
     raise ValueError(f"engine.kind must be 'embedded' or 'sglang', got {config.engine.kind!r}")
 
 
