@@ -251,6 +251,7 @@ class ToolBox:
         self.bash_timeout = bash_timeout
         self.max_search_results = max_search_results
         self._history: dict[str, list[str | None]] = {}
+        self._real_root: str | None = None
 
     def execute(self, call: dict[str, Any]) -> ToolResult:
         """Runs a call; bad calls become ERROR observations. SandboxError propagates."""
@@ -309,13 +310,22 @@ class ToolBox:
         except OSError as e:
             raise ToolCallError(f"ERROR: cannot read {rel}: {e}") from None
 
+    def _as_repo_root(self, text: str) -> str:
+        """Writes the sandbox's real repository path as `repo_root`, so that outputs
+        (tracebacks) read the same in every backend and every replay."""
+        if self._real_root is None:
+            self._real_root = self.sandbox.run("pwd -P", timeout=10).output.strip()
+        if self._real_root and self._real_root != self.repo_root:
+            text = text.replace(self._real_root, self.repo_root)
+        return text
+
     # ---- tools -------------------------------------------------------------------------------
 
     def _execute_bash(self, command: str) -> ToolResult:
         if not command.strip():
             raise ToolCallError("ERROR: command is empty.")
         res = self.sandbox.run(command, timeout=self.bash_timeout)
-        out = res.output.rstrip("\n")
+        out = self._as_repo_root(res.output).rstrip("\n")
         if res.timed_out:
             out += f"\n[command timed out after {self.bash_timeout:g}s]"
         elif res.exit_code != 0:

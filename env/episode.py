@@ -1,0 +1,318 @@
+"""One agent episode on one task: tool steps, a patch after every step, the reward.
+
+An episode's history is a list of `StepRecord(tool_call, observation, patch)`;
+`restore` rebuilds the state after step k of such a history in a fresh sandbox
+(Prefix Sampling replay, DESIGN section 4): by applying the recorded patch of step
+k, or with `reexec=True` by re-running the k calls and reporting every observation
+that came out differently.
+
+Infrastructure failures (`SandboxError`) end the episode with status `env_error`
+and no reward; they are never a reward of 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import re
+import shlex
+from collections.abc import Callable
+from typing import Any
+
+from env.sandbox import make_sandbox
+from env.sandbox.base import Sandbox, SandboxError
+from env.tasks import Task
+from env.tools import ToolBox, ToolCallError, parse_tool_call
+
+SandboxFactory = Callable[[Task], Sandbox]
+
+
+def sandbox_spec(task: Task, backend: str) -> dict[str, Any]:
+    """The `make_sandbox(backend, ...)` arguments that put `task`'s repository in place.
+
+    local: `repo_files` or `repo_dir` (+ `base_commit`). docker: the task's `image`
+    (when it has one; otherwise the caller's default image) at `workdir`, with
+    `repo_files` written into it when given.
+    """
+    if backend == "local":
+        if task.repo_files is None and task.repo_dir is None:
+            raise ValueError(f"task {task.instance_id} has only an image ({task.image}); "
+                             "the local backend needs repo_files or repo_dir")
+        spec = {"repo_files": task.repo_files, "repo_dir": task.repo_dir}
+        return {**spec, "base_commit": task.base_commit or None} if task.repo_dir else spec
+    if backend == "docker":
+        if task.repo_dir is not None and task.repo_files is None:
+            raise ValueError(f"task {task.instance_id}: the docker backend takes an image or "
+                             "repo_files, not repo_dir")
+        spec: dict[str, Any] = {"workdir": task.workdir}
+        if task.image:
+            spec["image"] = task.image
+        if task.repo_files is not None:
+            spec["repo_files"] = task.repo_files
+        elif task.base_commit:
+            spec["base_commit"] = task.base_commit
+        return spec
+    raise ValueError(f"unknown sandbox backend {backend!r}")
+
+
+def sandbox_factory(backend: str, **defaults: Any) -> SandboxFactory:
+    """task -> a new sandbox of `backend` holding the task's repository.
+
+    `defaults` are backend arguments (e.g. image=, client=, limits=); the task's own
+    source (sandbox_spec) overrides them.
+    """
+    return lambda task: make_sandbox(backend, **{**defaults, **sandbox_spec(task, backend)})
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One step: the parsed call (None when the action did not parse), the observation,
+    the `git diff` after the step, and the raw action text when one was given."""
+
+    tool_call: dict[str, Any] | None
+    observation: str
+    patch: str
+    action: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """A re-executed step whose observation differs from the recorded one."""
+
+    step: int  # 1-based
+    recorded: str
+    replayed: str
+
+
+class Episode:
+    """Steps tool calls through one sandbox of one task.
+
+    status: "running", then one of "finished" (finish called), "max_steps",
+    "env_error" (the sandbox failed; `error` says how; reward is None).
+    """
+
+    def __init__(self, sandbox_factory: SandboxFactory | Sandbox, task: Task | None = None, *,
+                 max_steps: int = 30, test_timeout: float = 300.0,
+                 prompt_template: str = "{problem_statement}", **tool_kwargs: Any):
+        self._factory = sandbox_factory
+        self.task = task
+        self.max_steps = max_steps
+        self.test_timeout = test_timeout
+        self.prompt_template = prompt_template
+        self.tool_kwargs = tool_kwargs
+        self.sandbox: Sandbox | None = None
+        self.tools: ToolBox | None = None
+        self.steps: list[StepRecord] = []
+        self.status = "running"
+        self.error = ""
+        self.test_output = ""
+        self._reward: float | None = None
+        self._graded = False
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def reset(self, task: Task | None = None) -> str:
+        """Opens a fresh sandbox for `task`; returns the first observation (the prompt)."""
+        self.close()
+        self.task = task or self.task
+        if self.task is None:
+            raise ValueError("Episode.reset needs a task")
+        self.steps, self.status, self.error, self.test_output = [], "running", "", ""
+        self._reward, self._graded = None, False
+        try:
+            if isinstance(self._factory, Sandbox):
+                self.sandbox, self._factory = self._factory, None
+            elif self._factory is None:
+                raise ValueError("this Episode was given one sandbox, which is already used")
+            else:
+                self.sandbox = self._factory(self.task)
+        except SandboxError as e:
+            self._fail(e)
+        else:
+            self.tools = ToolBox(self.sandbox, repo_root=self.task.workdir, **self.tool_kwargs)
+        return self.prompt_template.format(problem_statement=self.task.problem_statement,
+                                           workdir=self.task.workdir)
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            try:
+                self.sandbox.close()
+            finally:
+                self.sandbox = None
+
+    def __enter__(self) -> Episode:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def done(self) -> bool:
+        return self.status != "running"
+
+    def _fail(self, error: Exception) -> None:
+        self.status, self.error = "env_error", f"{type(error).__name__}: {error}"
+
+    # ---- steps -------------------------------------------------------------------------------
+
+    def step(self, action: str | dict[str, Any]) -> tuple[str, bool]:
+        """Executes one action (assistant text or a parsed call): (observation, done)."""
+        if self.done:
+            raise RuntimeError(f"step() on an episode that is already {self.status}")
+        if self.tools is None:
+            raise RuntimeError("step() before reset()")
+        text = action if isinstance(action, str) else ""
+        changed = False
+        try:
+            call = parse_tool_call(action) if isinstance(action, str) else action
+        except ToolCallError as e:
+            call, observation, finished = None, str(e), False
+        try:
+            if call is not None:
+                result = self.tools.execute(call)
+                observation, finished, changed = result.observation, result.done, result.changed
+            # Read-only calls (view, search, finish, rejected calls) keep the last patch.
+            patch = self.sandbox.patch() if changed or not self.steps else self.steps[-1].patch
+        except SandboxError as e:
+            self._fail(e)
+            return f"ERROR: the environment failed: {self.error}", True
+        self.steps.append(StepRecord(call, observation, patch, text))
+        self.status = "finished" if finished else self._budget_status()
+        return observation, self.done
+
+    def _budget_status(self) -> str:
+        return "max_steps" if len(self.steps) >= self.max_steps else "running"
+
+    # ---- reward ------------------------------------------------------------------------------
+
+    def reward(self) -> float | None:
+        """Runs the task's tests once: 1.0 if they all pass, else 0.0; None on env_error."""
+        if not self._graded and self.status != "env_error":
+            if self.sandbox is None:
+                raise RuntimeError("reward() needs an open sandbox (before close())")
+            try:
+                self._reward, self.test_output = grade(self.task, self.sandbox, self.test_timeout)
+            except SandboxError as e:
+                self._fail(e)
+            self._graded = True
+        return None if self.status == "env_error" else self._reward
+
+
+def test_command(task: Task) -> str:
+    """The task's test command with `{tests}` replaced by the quoted test ids."""
+    return task.test_command.replace("{tests}", " ".join(shlex.quote(t) for t in task.tests))
+
+
+def grade(task: Task, sandbox: Sandbox, timeout: float = 300.0) -> tuple[float, str]:
+    """(reward, test output). Test files are restored first so edits to them do not count.
+
+    R2E-Gym tasks (`expected_output`): 1 iff the pytest `-rA` summary of the test
+    run matches `expected_output` exactly (R2E-Gym's `_calculate_reward_r2e`).
+    Others: 1 iff the test command, given FAIL_TO_PASS + PASS_TO_PASS, exits 0.
+    """
+    if task.test_patch:
+        paths = re.findall(r"^diff --git a/(\S+) b/", task.test_patch, flags=re.MULTILINE)
+        base = shlex.quote(task.base_commit or "HEAD")
+        # Each file the test patch touches goes back to its base version (or away, if new).
+        sandbox.run("; ".join(f"{{ git checkout {base} -- {q} 2>/dev/null || rm -f -- {q}; }}"
+                              for q in map(shlex.quote, paths)) + "; true", timeout=60)
+        try:
+            sandbox.apply_patch(task.test_patch)
+        except ValueError as e:
+            return 0.0, f"test_patch does not apply: {e}"
+    restore = _restore_test_files(task)
+    command = f"{restore} && ({test_command(task)})" if restore else test_command(task)
+    res = sandbox.run(command, timeout=timeout)
+    if res.timed_out:
+        return 0.0, res.output
+    if task.expected_output is not None:
+        return float(r2e_outcome_matches(parse_pytest_summary(res.output),
+                                         task.expected_output)), res.output
+    return float(res.exit_code == 0), res.output
+
+
+def _restore_test_files(task: Task) -> str:
+    """Shell that rewrites `test_files` with their original content (base64, so any
+    text survives quoting), chained before the test command in one call."""
+    writes = []
+    for path in task.test_files:
+        if task.repo_files is not None and path in task.repo_files:
+            data = base64.b64encode(task.repo_files[path].encode()).decode()
+            writes.append(f"echo {data} | base64 -d > {shlex.quote(path)}")
+    return " && ".join(writes)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def parse_pytest_summary(log: str) -> dict[str, str]:
+    """Test name -> PASSED/FAILED/ERROR from pytest's `short test summary info`
+    (`-rA`), named as R2E-Gym names them: the node id after the file, '::' -> '.'."""
+    log = _ANSI.sub("", log.replace("\r", ""))
+    if "short test summary info" not in log:
+        return {}
+    status_map = {}
+    for line in log.split("short test summary info", 1)[1].strip().splitlines():
+        for status in ("PASSED", "FAILED", "ERROR"):
+            if status in line:
+                status_map[".".join(line.split("::")[1:]).split(" - ")[0]] = status
+                break
+    return status_map
+
+
+def r2e_outcome_matches(parsed: dict[str, str], expected: dict[str, str]) -> bool:
+    """Same tests, same statuses (names compared before any ' - ' suffix)."""
+    strip = lambda d: {_ANSI.sub("", k).split(" - ")[0]: v for k, v in d.items()}
+    parsed, expected = strip(parsed), strip(expected)
+    return len(parsed) == len(expected) and all(
+        not k or expected.get(k) == v for k, v in parsed.items())
+
+
+# ---- replay ----------------------------------------------------------------------------------
+
+_ELAPSED = re.compile(r"\b\d+(?:\.\d+)?s\b")
+
+
+def same_observation(a: str, b: str) -> bool:
+    """Equal up to elapsed-time figures ("Ran 5 tests in 0.001s"), which no replay repeats."""
+    return a == b or _ELAPSED.sub("<t>s", a) == _ELAPSED.sub("<t>s", b)
+
+
+
+def restore(task: Task, source_steps: list[StepRecord], k: int,
+            sandbox_factory: SandboxFactory, *, reexec: bool = False,
+            **episode_kwargs: Any) -> tuple[Episode, list[Mismatch]]:
+    """An Episode in the state after step k (1 <= k <= len(source_steps)) of a source.
+
+    Default: a fresh sandbox with step k's recorded patch applied; the episode's
+    history is the source's first k records (the step counter and budget continue
+    from k). reexec=True instead re-executes the k calls and returns the steps whose
+    observation differs from the recorded one (`same_observation`); the history is
+    then the re-executed one. Raises SandboxError on infrastructure
+    failure and ValueError when the recorded patch does not apply.
+    """
+    if not 1 <= k <= len(source_steps):
+        raise ValueError(f"k={k} is outside [1, {len(source_steps)}]")
+    episode = Episode(sandbox_factory, task, **episode_kwargs)
+    episode.reset()
+    if episode.status == "env_error":
+        raise SandboxError(episode.error)
+    mismatches: list[Mismatch] = []
+    try:
+        if reexec:
+            for i, record in enumerate(source_steps[:k], 1):
+                action = record.tool_call if record.tool_call is not None else record.action
+                observation, _ = episode.step(action)
+                if episode.status == "env_error":
+                    raise SandboxError(episode.error)
+                if not same_observation(observation, record.observation):
+                    mismatches.append(Mismatch(i, record.observation, observation))
+        else:
+            if source_steps[k - 1].patch:
+                episode.sandbox.apply_patch(source_steps[k - 1].patch)
+            episode.steps = [dataclasses.replace(r) for r in source_steps[:k]]
+        episode.status = episode._budget_status()
+    except BaseException:
+        episode.close()
+        raise
+    return episode, mismatches

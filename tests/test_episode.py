@@ -1,0 +1,205 @@
+"""Episodes on real local and Docker sandboxes: steps, patches, reward, env_error, replay.
+
+References: file hashes by `sha256sum` inside the sandboxes (restore), the sandbox's
+own `patch()` (recorded patches), a hand-written pytest log (R2E-Gym grading), the
+Docker engine killing a container (env_error).
+"""
+
+import random
+
+import pytest
+from sandbox_backends import BACKENDS, backend_factory, docker_defaults, tree_hashes
+
+from env.episode import (
+    Episode,
+    grade,
+    parse_pytest_summary,
+    r2e_outcome_matches,
+    restore,
+    same_observation,
+    sandbox_factory,
+)
+from env.miniswe import expert_demo, generate_tasks
+from env.tasks import Task
+from env.tools import render_tool_call
+
+
+@pytest.fixture(params=BACKENDS)
+def factory(request):
+    return backend_factory(request, request.param)
+
+
+def _bash(command):
+    return {"name": "execute_bash", "arguments": {"command": command}}
+
+
+def _trajectories():
+    """Expert demos of every difficulty, and a scripted mix of edits by every route
+    (bash, create, insert, undo) with a malformed action in between."""
+    tasks = generate_tasks(4, seed=99)
+    trajectories = [(t, expert_demo(t).calls) for t in tasks]
+    t = tasks[0]
+    path = t.metadata["bugs"][0]["path"]
+    mixed = [
+        {"name": "file_editor", "arguments": {"command": "view", "path": path}},
+        "I think the bug is <tool_call>{not json}</tool_call>",
+        _bash(f"sed -i 's/def /def  /' {path} && echo edited"),
+        {"name": "file_editor", "arguments": {"command": "create", "path": "docs/new.md",
+                                              "file_text": "notes\n"}},
+        {"name": "file_editor", "arguments": {"command": "insert", "path": "docs/new.md",
+                                              "insert_line": 1, "new_str": "more"}},
+        {"name": "file_editor", "arguments": {"command": "undo_edit", "path": "docs/new.md"}},
+        _bash("rm -f test_*.py && ls"),
+        {"name": "finish", "arguments": {}},
+    ]
+    return trajectories + [(t, mixed)]
+
+
+def _record(factory, task, actions):
+    """Runs actions; returns (episode steps, file hashes after each step)."""
+    hashes = []
+    with Episode(factory, task) as episode:
+        episode.reset()
+        for action in actions:
+            episode.step(action)
+            hashes.append(tree_hashes(episode.sandbox))
+            assert episode.steps[-1].patch == episode.sandbox.patch()
+        return episode.steps, hashes
+
+
+def test_restore_reproduces_files_at_step_k(factory):
+    rng = random.Random(0)
+    for task, actions in _trajectories():
+        steps, hashes = _record(factory, task, actions)
+        for k in sorted(rng.sample(range(1, len(steps)), min(2, len(steps) - 1))):
+            episode, mismatches = restore(task, steps, k, factory)
+            with episode:
+                assert tree_hashes(episode.sandbox) == hashes[k - 1], (task.instance_id, k)
+                assert mismatches == [] and episode.steps == steps[:k]
+                assert episode.status == "running"
+        k = len(steps) - 1
+        episode, mismatches = restore(task, steps, k, factory, reexec=True)
+        with episode:
+            assert mismatches == [], (task.instance_id, mismatches)
+            assert tree_hashes(episode.sandbox) == hashes[k - 1]
+            assert [s.patch for s in episode.steps] == [s.patch for s in steps[:k]]
+
+
+def test_reexec_reports_differing_observations(factory):
+    task = generate_tasks(1, seed=1)[0]
+    steps, _ = _record(factory, task, [_bash("echo $RANDOM$RANDOM$RANDOM"), _bash("echo same")])
+    episode, mismatches = restore(task, steps, 2, factory, reexec=True)
+    episode.close()
+    assert [m.step for m in mismatches] == [1]
+    assert mismatches[0].recorded == steps[0].observation
+    assert same_observation("Ran 4 tests in 0.002s\n\nOK", "Ran 4 tests in 0.013s\n\nOK")
+    assert not same_observation("Ran 4 tests", "Ran 5 tests")
+
+
+def test_steps_patches_and_statuses(factory):
+    task = generate_tasks(1, seed=4)[0]
+    bug = task.metadata["bugs"][0]
+    with Episode(factory, task, max_steps=3) as episode:
+        assert episode.reset() == task.problem_statement
+        obs, done = episode.step("no call here")
+        assert obs.startswith("ERROR: no tool call found") and not done
+        assert episode.steps[0].tool_call is None and episode.steps[0].patch == ""
+        edit = {"name": "file_editor", "arguments": {
+            "command": "str_replace", "path": f"/testbed/{bug['path']}",
+            "old_str": bug["buggy"], "new_str": bug["fixed"]}}
+        obs, done = episode.step(render_tool_call(edit))
+        assert obs.startswith(f"Edited {bug['path']}") and not done
+        assert episode.steps[1].tool_call == edit
+        assert f"+    {bug['fixed']}" in episode.steps[1].patch
+        obs, done = episode.step(_bash("true"))
+        assert done and episode.status == "max_steps"
+        with pytest.raises(RuntimeError, match="already max_steps"):
+            episode.step(_bash("true"))
+        assert episode.reward() == (1.0 if task.difficulty != 3 else 0.0)
+
+
+def test_edited_tests_do_not_count(factory):
+    task = generate_tasks(1, seed=4)[0]
+    with Episode(factory, task) as episode:
+        episode.reset()
+        for path in task.test_files:
+            episode.step(_bash(f"printf 'import unittest\\n' > {path}"))
+        episode.step({"name": "finish", "arguments": {}})
+        assert episode.reward() == 0.0
+
+
+def test_r2e_gym_and_test_patch_grading(factory):
+    log = ("============ short test summary info ============\n"
+           "PASSED r2e_tests/test_t.py::TestT::test_a\n"
+           "FAILED r2e_tests/test_t.py::TestT::test_b - AssertionError: x\n")
+    assert parse_pytest_summary("noise\n" + log) == {"TestT.test_a": "PASSED",
+                                                     "TestT.test_b": "FAILED"}
+    assert parse_pytest_summary("no summary") == {}
+    expected = {"TestT.test_a": "PASSED", "TestT.test_b": "FAILED"}
+    assert r2e_outcome_matches(parse_pytest_summary(log), expected)
+    assert not r2e_outcome_matches(parse_pytest_summary(log), {"TestT.test_a": "PASSED"})
+
+    files = {"log.txt": log, "a.py": "A = 1\n"}
+    r2e = Task("r2e", "x", repo_files=files, expected_output=expected,
+               test_command="cat log.txt; exit 1")
+    sandbox = factory(r2e)
+    try:
+        assert grade(r2e, sandbox)[0] == 1.0
+        sandbox.write_file("log.txt", log.replace("FAILED", "PASSED"))
+        assert grade(r2e, sandbox)[0] == 0.0
+    finally:
+        sandbox.close()
+
+    test_patch = ("diff --git a/test_a.py b/test_a.py\nnew file mode 100644\n--- /dev/null\n"
+                  "+++ b/test_a.py\n@@ -0,0 +1,2 @@\n+from a import A\n+assert A == 2\n")
+    swe = Task("swe", "x", repo_files={"a.py": "A = 1\n"}, test_patch=test_patch,
+               FAIL_TO_PASS=["test_a.py"], test_command="python3 {tests}")
+    sandbox = factory(swe)
+    try:
+        assert grade(swe, sandbox)[0] == 0.0
+        sandbox.write_file("a.py", "A = 2\n")
+        sandbox.write_file("test_a.py", "pass\n")  # replaced by the test patch's version
+        assert grade(swe, sandbox)[0] == 1.0
+    finally:
+        sandbox.close()
+
+
+def test_closed_sandbox_is_env_error_not_reward_zero(factory):
+    task = generate_tasks(1, seed=6)[0]
+    with Episode(factory, task) as episode:
+        episode.reset()
+        episode.step(_bash("ls"))
+        episode.sandbox.close()
+        obs, done = episode.step(_bash("ls"))
+        assert done and episode.status == "env_error" and "SandboxError" in episode.error
+        assert obs.startswith("ERROR: the environment failed")
+        assert episode.reward() is None
+
+
+@pytest.mark.docker
+def test_killed_container_is_env_error(request):
+    defaults = docker_defaults(request)
+    client = defaults["client"]
+    factory = sandbox_factory("docker", **defaults)
+    task = generate_tasks(1, seed=6)[0]
+
+    with Episode(factory, task) as episode:  # killed mid-episode
+        episode.reset()
+        episode.step(_bash("ls"))
+        client.api.kill(episode.sandbox.container_id)
+        obs, done = episode.step(_bash("ls"))
+        assert done and episode.status == "env_error" and episode.reward() is None
+
+    with Episode(factory, task) as episode:  # killed after finish, before grading
+        episode.reset()
+        for tool_call in expert_demo(task).calls:
+            episode.step(tool_call)
+        assert episode.status == "finished"
+        client.api.kill(episode.sandbox.container_id)
+        assert episode.reward() is None and episode.status == "env_error"
+
+    broken = sandbox_factory("docker", **{**defaults, "image": "swe-rl-no-such-image:0"})
+    with Episode(broken, task) as episode:
+        episode.reset()
+        assert episode.status == "env_error" and "image" in episode.error
+        assert episode.reward() is None

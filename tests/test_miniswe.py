@@ -1,0 +1,159 @@
+"""mini-SWE generation and the scripted expert.
+
+References: the generated tests run by the host's Python in a plain directory
+(independent of the sandboxes) for the FAIL_TO_PASS / PASS_TO_PASS lists; the full
+acceptance sweep runs 200 tasks through real sandboxes of each backend.
+"""
+
+import concurrent.futures
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from sandbox_backends import BACKENDS, backend_factory
+
+from env.episode import Episode, grade
+from env.miniswe import TEST_RUN, expert_actions_text, expert_demo, generate_tasks
+from env.tools import parse_tool_call
+
+RUN_EACH = """
+import json, sys, unittest
+out = {}
+for test_id in json.loads(sys.argv[1]):
+    result = unittest.TestResult()
+    unittest.defaultTestLoader.loadTestsFromName(test_id).run(result)
+    out[test_id] = result.wasSuccessful()
+print(json.dumps(out))
+"""
+
+
+def host_outcomes(files: dict[str, str], patch: str, tmp_path) -> dict[str, bool]:
+    """test id -> passed, running each test separately with the host's python3."""
+    repo = tmp_path / f"repo{len(list(tmp_path.iterdir()))}"
+    repo.mkdir()
+    for path, text in files.items():
+        (repo / path).write_text(text)
+    if patch:
+        subprocess.run(["git", "apply", "-"], input=patch.encode(), cwd=repo, check=True)
+    test_ids = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json,sys,unittest;"
+         "s=unittest.defaultTestLoader.discover('.');"
+         "print(json.dumps([t.id() for g in s for c in g for t in c]))"],
+        cwd=repo, capture_output=True, text=True, check=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}).stdout)
+    res = subprocess.run([sys.executable, "-c", RUN_EACH, json.dumps(test_ids)], cwd=repo,
+                         capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    return json.loads(res.stdout)
+
+
+def test_generation_is_deterministic_and_tiny():
+    a, b = generate_tasks(40, seed=7), generate_tasks(40, seed=7)
+    assert a == b
+    assert [t.repo_files for t in generate_tasks(5, seed=8)] != [t.repo_files for t in a[:5]]
+    assert [t.difficulty for t in a[:8]] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert {t.difficulty for t in generate_tasks(6, 1, difficulties=(2,))} == {2}
+    assert len({t.instance_id for t in a}) == 40
+    for t in a:
+        size = sum(len(v) for v in t.repo_files.values())
+        assert 300 <= size <= 2048, (t.instance_id, size)
+        assert t.gold_patch.startswith("diff --git ")
+        assert t.FAIL_TO_PASS and set(t.FAIL_TO_PASS).isdisjoint(t.PASS_TO_PASS)
+    with pytest.raises(ValueError, match="difficulties"):
+        generate_tasks(1, 0, difficulties=(4,))
+
+
+def test_statements_follow_the_difficulty():
+    for t in generate_tasks(40, seed=3):
+        bugs = t.metadata["bugs"]
+        if t.difficulty == 0:
+            assert len(bugs) == 1 and f"Fix the bug in {bugs[0]['path']}" in t.problem_statement
+        elif t.difficulty == 1:
+            assert len(bugs) == 1 and bugs[0]["path"] not in t.problem_statement
+            assert t.metadata["named_path"] in t.problem_statement
+        elif t.difficulty == 2:
+            assert ".py" not in t.problem_statement and TEST_RUN in t.problem_statement
+        else:
+            assert len(bugs) == 2 and bugs[0]["path"] != bugs[1]["path"]
+            assert "two mistakes" in t.problem_statement
+
+
+def test_test_lists_match_the_host_python(tmp_path):
+    for t in generate_tasks(12, seed=11):
+        before = host_outcomes(t.repo_files, "", tmp_path)
+        assert sorted(k for k, ok in before.items() if not ok) == sorted(t.FAIL_TO_PASS)
+        assert sorted(k for k, ok in before.items() if ok) == sorted(t.PASS_TO_PASS)
+        after = host_outcomes(t.repo_files, t.gold_patch, tmp_path)
+        assert all(after.values()) and set(after) == set(t.tests)
+
+
+def test_expert_text_and_imperfect_demos():
+    rng = random.Random(0)
+    mistakes = set()
+    for t in generate_tasks(40, seed=5):
+        demo = expert_demo(t)
+        assert demo.correct and demo.calls[-1] == {"name": "finish", "arguments": {}}
+        texts = expert_actions_text(demo)
+        assert all(x.startswith("<tool_call>\n{") and x.endswith("}\n</tool_call>")
+                   for x in texts)
+        assert [parse_tool_call(x) for x in texts] == demo.calls
+        bad = expert_demo(t, imperfect=True, rng=rng)
+        assert not bad.correct and bad.mistake in {"wrong_edit", "finish_early", "half_fix"}
+        assert bad.mistake != "half_fix" or t.difficulty == 3
+        mistakes.add(bad.mistake)
+    assert mistakes == {"wrong_edit", "finish_early", "half_fix"}
+    with pytest.raises(ValueError, match="not a mini-SWE task"):
+        expert_demo(generate_tasks(1)[0].__class__("x", "y", repo_files={}))
+
+
+def _run_demo(factory, task, demo, checks=None) -> list[str]:
+    """Runs a demo in a fresh episode; `checks(sandbox)` runs before the demo and after
+    its reward, in the same sandbox. Returns what went wrong."""
+    with Episode(factory, task) as episode:
+        episode.reset()
+        if episode.status == "env_error":
+            return [f"env_error at reset: {episode.error}"]
+        problems = checks(episode.sandbox, before=True) if checks else []
+        for tool_call in demo.calls:
+            if episode.done:
+                break
+            episode.step(tool_call)
+        reward = episode.reward()
+        if episode.status != "finished" or reward != float(demo.correct):
+            problems.append(f"demo correct={demo.correct} ({demo.mistake}): "
+                            f"{episode.status} reward={reward} {episode.error}")
+        elif checks:
+            problems += checks(episode.sandbox, before=False)
+    return problems
+
+
+def _check_task(factory, task, index: int) -> list[str]:
+    """Untouched -> 0, expert -> 1, then reset to the base tree: gold -> 1, all in the
+    expert's sandbox; every 5th task also an imperfect demo -> 0 in a sandbox of its own."""
+
+    def gold_and_untouched(sandbox, before):
+        if before:
+            return [] if grade(task, sandbox)[0] == 0.0 else ["untouched repo passes"]
+        sandbox.run("git reset -q --hard && git clean -fdq")
+        if sandbox.patch() != "":
+            return ["reset to the base tree failed"]
+        sandbox.apply_patch(task.gold_patch)
+        return [] if grade(task, sandbox)[0] == 1.0 else ["gold patch fails"]
+
+    problems = _run_demo(factory, task, expert_demo(task), gold_and_untouched)
+    if index % 5 == 0:
+        problems += _run_demo(factory, task, expert_demo(task, True, random.Random(index)))
+    return [f"{task.instance_id}: {p}" for p in problems]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_200_tasks_gold_untouched_and_expert(request, backend):
+    factory = backend_factory(request, backend)
+    tasks = generate_tasks(200, seed=2024)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda it: _check_task(factory, it[1], it[0]), enumerate(tasks)))
+    problems = [p for r in results for p in r]
+    assert not problems, problems[:5]
