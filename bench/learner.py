@@ -1,0 +1,155 @@
+"""Learner throughput and packing density, measured in one run.
+
+  python -m bench.learner                         # tiny preset, CPU-sized batch
+  python -m bench.learner --model qwen3-0.6b --rows 8 --row-len 4096 --micro 4   # GPU
+
+Prints one JSON object:
+  tokens_per_s         real (non-padding) tokens through train_step per second
+  model_flops_per_s    (6 N + attention) per real token, times tokens_per_s; N = matmul
+                       parameters (attention, MLP, lm_head; not the embedding lookup),
+                       attention = 6 * layers * heads * head_dim * n^2 per segment of
+                       n tokens (causal half of PaLM's 12 L H Q T^2)
+  dot_flops_per_s      FLOP/s of one jnp.dot [M, K] @ [K, N] in the model's dtype
+  matmul_fraction      model_flops_per_s / dot_flops_per_s
+  real_token_fraction  non-padding share when packing an agent-like long tail
+                       (lognormal lengths clipped to 200..8000 tokens) into the buckets
+  batch_real_token_fraction  the same share for the timed batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.qwen3 import PRESETS, Qwen3
+from rl import learner
+from rl.batch import pack_arrays
+
+BUCKETS = (2048, 4096, 8192)
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def agent_lengths(count: int, low: int, high: int, seed: int) -> np.ndarray:
+    """Long-tailed trajectory lengths: lognormal (median high/7, sigma 0.9) clipped."""
+    rng = np.random.default_rng(seed)
+    median = high / 7
+    return np.clip(rng.lognormal(np.log(median), 0.9, count), low, high).astype(int)
+
+
+def synthetic_seqs(lengths, vocab: int, seed: int):
+    """(ids, loss_mask, logprobs) per length: a prompt of a quarter, then alternating
+    generated and observed stretches of 32 tokens."""
+    rng = np.random.default_rng(seed)
+    seqs = []
+    for n in lengths:
+        mask = ((np.arange(n) // 32) % 2 == 1) & (np.arange(n) >= n // 4)
+        logp = np.where(mask, -rng.uniform(0.5, 3.0, n), 0.0).astype(np.float32)
+        seqs.append((rng.integers(0, vocab, n).astype(np.int32), mask.astype(np.int32), logp))
+    return seqs
+
+
+def matmul_params(cfg) -> int:
+    attn = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+    mlp = 3 * cfg.hidden_size * cfg.intermediate_size
+    return cfg.num_layers * (attn + mlp) + cfg.hidden_size * cfg.vocab_size
+
+
+def model_flops(cfg, segment_lengths) -> float:
+    """Training FLOPs (forward + backward) of the given segments."""
+    lengths = np.asarray(segment_lengths, np.float64)
+    dense = 6.0 * matmul_params(cfg) * lengths.sum()
+    attention = 6.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * np.sum(lengths ** 2)
+    return dense + attention
+
+
+def dot_flops_per_s(size: int, dtype, repeats: int = 5) -> float:
+    a = jnp.ones((size, size), dtype)
+    b = jnp.ones((size, size), dtype)
+    dot = jax.jit(jnp.dot)
+    jax.block_until_ready(dot(a, b))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(dot(a, b))
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size ** 3 / best
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", choices=sorted(PRESETS))
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--row-len", type=int, default=1024)
+    parser.add_argument("--micro", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dot-size", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    # Packing density on the agent-like tail, at the scale of a real RL batch.
+    tail = agent_lengths(512, 200, 8000, seed=0)
+    tail_seqs = [(np.zeros(n, np.int32), np.ones(n, np.int32), np.zeros(n, np.float32))
+                 for n in tail]
+    _, tail_info = pack_arrays(tail_seqs, np.zeros(len(tail)), buckets=BUCKETS, row_multiple=8)
+    _log(f"tail packing: {tail_info.num_rows} rows x {tail_info.row_len}, "
+         f"real {tail_info.real_token_fraction:.3f}")
+
+    model_cfg = PRESETS[args.model]
+    cfg = learner.default_config()
+    cfg.num_microbatches = args.micro
+    cfg.optim.lr = 1e-5
+    graphdef, state = learner.init_train_state(Qwen3(model_cfg, rngs=nnx.Rngs(0)), cfg)
+
+    # The timed batch: the same tail scaled to the row length, packed to exactly `rows`.
+    scale = args.row_len / 8000
+    lengths = np.maximum(agent_lengths(64 * args.rows, 200, 8000, seed=1) * scale, 8).astype(int)
+    seqs = synthetic_seqs(lengths, model_cfg.vocab_size, seed=2)
+    chosen, total = [], 0
+    for seq in seqs:  # greedily take trajectories until the rows are about full
+        if total + len(seq[0]) <= 0.97 * args.rows * args.row_len:
+            chosen.append(seq)
+            total += len(seq[0])
+    batch, info = pack_arrays(chosen, np.random.default_rng(3).normal(size=len(chosen)),
+                              buckets=[args.row_len], row_multiple=args.rows * args.micro)
+    _log(f"timed batch: {batch.shape}, {len(chosen)} trajectories, "
+         f"real {info.real_token_fraction:.3f}")
+
+    train_step = learner.make_train_step(graphdef, cfg)
+    start = time.perf_counter()
+    state, metrics = train_step(state, batch)
+    jax.block_until_ready(metrics)
+    _log(f"compile + first step: {time.perf_counter() - start:.1f}s")
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        state, metrics = train_step(state, batch)
+    jax.block_until_ready((state, metrics))
+    seconds = (time.perf_counter() - start) / args.steps
+
+    tokens_per_s = info.real_tokens / seconds
+    flops_per_s = model_flops(model_cfg, [n for _, _, n in info.placements]) / seconds
+    dot_size = args.dot_size or (1024 if jax.default_backend() == "cpu" else 8192)
+    dot = dot_flops_per_s(dot_size, jnp.dtype(model_cfg.dtype))
+    print(json.dumps({
+        "model": args.model, "backend": jax.default_backend(),
+        "batch_shape": list(batch.shape), "step_s": seconds,
+        "tokens_per_s": tokens_per_s,
+        "model_flops_per_s": flops_per_s, "dot_flops_per_s": dot,
+        "matmul_fraction": flops_per_s / dot,
+        "real_token_fraction": tail_info.real_token_fraction,
+        "tail_rows": tail_info.num_rows, "tail_row_len": tail_info.row_len,
+        "batch_real_token_fraction": info.real_token_fraction,
+        "loss": float(metrics["loss"]),
+    }))
+
+
+if __name__ == "__main__":
+    main()
