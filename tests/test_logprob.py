@@ -114,6 +114,8 @@ def test_compaction_puts_valid_rows_first_in_whole_blocks():
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"implementation": "cuda"}, "implementation must be one of"),
     ({"temperature": 0.0}, "temperature must be > 0"),
+    ({"implementation": "pallas"}, "needs interpret=True"),
+    ({"row_block": 0}, "block sizes must be positive"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     hidden, lm_head, targets, mask, _ = _inputs(jnp.float32, 0.0)
@@ -129,3 +131,14 @@ def test_bad_shapes_are_named():
         token_logprobs(hidden, lm_head, targets[1:], mask)
     with pytest.raises(ValueError, match="integer token ids"):
         token_logprobs(hidden, lm_head, targets.astype(jnp.float32), mask)
+
+
+def test_default_on_accelerators_checks_that_kernels_compile():
+    from kernels.logprob.api import _compiles, _signature
+    from kernels.logprob.pallas import PallasEngine
+    from kernels.logprob.xla import XlaEngine
+
+    signature = _signature(*_inputs(jnp.float32, 0.5)[:4])
+    # Compiled Pallas kernels do not lower on CPU: the default would keep the XLA engine.
+    assert not _compiles(PallasEngine(**BLOCKS["xla"]), signature, 1.0)
+    assert _compiles(XlaEngine(**BLOCKS["xla"]), signature, 1.0)

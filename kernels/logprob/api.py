@@ -35,8 +35,8 @@ def token_logprobs(
       targets: [N] int token ids in [0, V).
       mask: [N]; rows where mask == 0 return 0, get zero gradient and cost no matmul FLOPs.
       temperature: sampling temperature (> 0), a static Python float.
-      implementation: None (xla on CPU, pallas elsewhere, falling back to xla when the
-        kernels do not compile), "reference", "xla" or "pallas".
+      implementation: None (xla on CPU; pallas elsewhere, falling back to xla when the
+        kernels do not compile for these shapes), "reference", "xla" or "pallas".
       row_block, vocab_block: tile sizes; None keeps the implementation's defaults.
       interpret: run the Pallas kernels in interpret mode (CPU tests).
 
@@ -46,21 +46,27 @@ def token_logprobs(
     """
     _check_inputs(hidden, lm_head, targets, mask, temperature)
     temperature = float(temperature)
-    if implementation is None:
-        implementation = "xla" if jax.default_backend() == "cpu" else "pallas"
-    if implementation not in IMPLEMENTATIONS:
+    on_cpu = jax.default_backend() == "cpu"
+    if implementation not in (*IMPLEMENTATIONS, None):
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
                          f"got {implementation!r}")
+    if implementation == "pallas" and on_cpu and not interpret:
+        raise ValueError("implementation='pallas' on CPU needs interpret=True")
     if implementation == "reference":
         return token_logprobs_reference(hidden, lm_head, targets, mask, temperature)
-    blocks = {k: v for k, v in (("row_block", row_block), ("vocab_block", vocab_block)) if v}
+    blocks = {name: size for name, size in (("row_block", row_block),
+                                            ("vocab_block", vocab_block)) if size is not None}
+    if any(not isinstance(size, int) or size < 1 for size in blocks.values()):
+        raise ValueError(f"block sizes must be positive integers, got {blocks}")
     engine = XlaEngine(**blocks)
-    if implementation == "pallas":
+    if implementation == "pallas" or (implementation is None and not on_cpu):
         from kernels.logprob.pallas import PallasEngine
 
         pallas_engine = PallasEngine(**blocks, interpret=interpret)
-        if interpret or _compiles(pallas_engine, _signature(hidden, lm_head, targets, mask),
-                                  temperature):
+        # An explicit request runs the kernels as they are; the default checks that they
+        # compile for these shapes on this backend and otherwise keeps the XLA engine.
+        if implementation == "pallas" or _compiles(
+                pallas_engine, _signature(hidden, lm_head, targets, mask), temperature):
             engine = pallas_engine
     return token_logprobs_chunked(hidden, lm_head, targets, mask, temperature, engine)
 
