@@ -260,6 +260,8 @@ class ToolBox:
             result = getattr(self, "_" + call["name"])(**call["arguments"])
         except ToolCallError as e:
             result = ToolResult(str(e))
+        except (OSError, ValueError) as e:  # the sandbox refused a file operation
+            result = ToolResult(f"ERROR: {e}")
         return dataclasses.replace(
             result, observation=cap_text(result.observation, self.max_observation_chars))
 
@@ -277,6 +279,8 @@ class ToolBox:
         """Repository-relative normalised path ('.' for the root); refuses escapes."""
         if not path.strip():
             raise ToolCallError("ERROR: path is empty.")
+        if "\x00" in path:
+            raise ToolCallError("ERROR: path contains a NUL character.")
         if path.startswith("/"):
             root = self.repo_root
             if path != root and not path.startswith(root.rstrip("/") + "/"):

@@ -222,6 +222,8 @@ def test_execute_bash_search_and_finish(tools):
 def test_toolbox_never_raises_on_garbage(tools):
     for text in ["", "<tool_call></tool_call>", "<tool_call>null</tool_call>",
                  '<tool_call>{"name": 3}</tool_call>', "\x00<tool_call>{]</tool_call>",
-                 call("file_editor", command="view", path="")]:
+                 call("file_editor", command="view", path=""),
+                 call("file_editor", command="view", path="a\x00b"),
+                 call("file_editor", command="create", path="calc.py/x", file_text="1")]:
         result = tools(text)
         assert result.observation.startswith("ERROR: ") and not result.done

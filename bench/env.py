@@ -1,0 +1,110 @@
+"""Environment throughput: expert episodes on mini-SWE, local vs Docker sandboxes.
+
+    python -m bench.env [--levels 1,4,8,16,32] [--per_slot 2] [--image swe-sandbox:test]
+
+Each episode is a whole expert demonstration: a fresh sandbox, every tool call with
+its per-step patch, the reward run of the tests, and teardown. For each backend and
+concurrency level c, `c * per_slot` episodes run on c threads; a level counts as
+clean when every episode ends `finished` with the reward its demo should earn and
+no container outlives the run. Prints one JSON object: episodes/s per level, the
+largest clean Docker concurrency, and the Docker/local ratio at each level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import sys
+import time
+
+from env.episode import Episode, sandbox_factory
+from env.miniswe import expert_demo, generate_tasks
+
+
+def run_episode(factory, task) -> str:
+    """'' when the expert episode ended as it should, else what went wrong."""
+    demo = expert_demo(task)
+    with Episode(factory, task) as episode:
+        episode.reset()
+        for tool_call in demo.calls:
+            if episode.done:
+                break
+            episode.step(tool_call)
+        reward = episode.reward()
+        if episode.status != "finished" or reward != 1.0:
+            return f"{task.instance_id}: {episode.status} reward={reward} {episode.error}"
+    return ""
+
+
+def measure(factory, tasks, concurrency: int) -> dict:
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        outcomes = list(pool.map(lambda t: _guarded(factory, t), tasks))
+    seconds = time.perf_counter() - start
+    errors = [o for o in outcomes if o]
+    return {"concurrency": concurrency, "episodes": len(tasks), "seconds": round(seconds, 2),
+            "episodes_per_s": round(len(tasks) / seconds, 3), "errors": len(errors),
+            "first_error": errors[0] if errors else ""}
+
+
+def _guarded(factory, task) -> str:
+    try:
+        return run_episode(factory, task)
+    except Exception as e:  # noqa: BLE001 - a crash is a benchmark error to report
+        return f"{task.instance_id}: {type(e).__name__}: {e}"
+
+
+def docker_factory(image: str, max_concurrency: int):
+    """(factory, count of live sandbox containers) or (None, reason) without an engine."""
+    try:
+        import docker
+
+        from env.sandbox.docker import LABEL
+
+        client = docker.from_env(timeout=120, max_pool_size=2 * max_concurrency)
+        client.ping()
+        client.images.get(image)
+    except Exception as e:  # noqa: BLE001 - no usable engine or image: report, do not crash
+        return None, f"{type(e).__name__}: {e}"
+    live = lambda: len(client.containers.list(all=True, filters={"label": f"{LABEL}=1"}))
+    return sandbox_factory("docker", image=image, client=client, mem_limit="512m"), live
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--levels", default="1,4,8,16,32")
+    parser.add_argument("--per_slot", type=int, default=2)
+    parser.add_argument("--image", default="swe-sandbox:test")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    tasks = generate_tasks(max(levels) * args.per_slot, seed=args.seed)
+
+    result: dict = {"levels": levels, "per_slot": args.per_slot, "local": [], "docker": []}
+    local = sandbox_factory("local")
+    for c in levels:
+        print(f"local c={c}", file=sys.stderr)
+        result["local"].append(measure(local, tasks[:c * args.per_slot], c))
+
+    factory, live = docker_factory(args.image, max(levels))
+    if factory is None:
+        result["docker_unavailable"] = live
+    else:
+        before = live()
+        for c in levels:
+            print(f"docker c={c}", file=sys.stderr)
+            row = measure(factory, tasks[:c * args.per_slot], c)
+            row["leaked_containers"] = live() - before
+            result["docker"].append(row)
+        clean = [r["concurrency"] for r in result["docker"]
+                 if not r["errors"] and not r["leaked_containers"]]
+        result["docker_max_clean_concurrency"] = max(clean, default=0)
+        result["docker_over_local_throughput"] = {
+            str(d["concurrency"]): round(d["episodes_per_s"] / lo["episodes_per_s"], 3)
+            for d, lo in zip(result["docker"], result["local"], strict=True)}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
