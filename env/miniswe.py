@@ -294,9 +294,12 @@ def _assemble(repo: _Repo, broken: list[Fn], buggy: dict[str, int], named: Fn | 
                 for f in fns]
     gold = "".join(unified_diff(p, files[p], fixed_files[p])
                    for p in sorted(files) if p in fixed_files and files[p] != fixed_files[p])
+    statement = _statement(difficulty, bugs, named, repo, cases, expected, buggy)
+    if statement is None:
+        return None
     return Task(
         instance_id=instance_id,
-        problem_statement=_statement(difficulty, bugs, named, repo, cases, expected, buggy),
+        problem_statement=statement,
         FAIL_TO_PASS=[t for t in test_ids if t.rsplit(".test_", 1)[1] in failing],
         PASS_TO_PASS=[t for t in test_ids if t.rsplit(".test_", 1)[1] not in failing],
         test_command=TEST_RUN + " {tests}",
@@ -330,15 +333,19 @@ def _bug(repo: _Repo, fn: Fn, choice: int, files: dict[str, str], cases: dict,
 
 
 def _statement(difficulty: int, bugs: list[Bug], named: Fn | None, repo: _Repo, cases: dict,
-               expected: dict, buggy: dict[str, int]) -> str:
+               expected: dict, buggy: dict[str, int]) -> str | None:
+    """The task text; None when the described function shows no failing case (the
+    failure only surfaces elsewhere), so the caller draws another task."""
     if difficulty == 2:
         return f"Some unit tests fail. Run them with `{TEST_RUN}`, find the bug and fix it."
     subject = named if named is not None else next(
         f for f in repo.fns if f.name == bugs[0].function)
     ns = _namespace(repo.fns, buggy)
-    args, want = next((a, w) for a, w in zip(cases[subject.name], expected[subject.name],
-                                              strict=True)
-                      if _call(ns, subject.name, a) != w)
+    failing = [(a, w) for a, w in zip(cases[subject.name], expected[subject.name], strict=True)
+               if _call(ns, subject.name, a) != w]
+    if not failing:
+        return None
+    args, want = failing[0]
     got = _call(ns, subject.name, args)
     call = f"{subject.name}({', '.join(repr(a) for a in args)})"
     where = repo.path_of(subject)
