@@ -162,34 +162,14 @@ def engine(config, graphdef, params, workdir: str, model_cfg: qwen3.Qwen3Config)
 
 
 def sandbox_factory(env_cfg) -> Callable[[Task], Any]:
-    """task -> a fresh sandbox of the configured backend holding the task's repository.
+    """task -> a fresh sandbox of `env.backend` holding the task's repository; for Docker,
+    tasks without an image of their own run in `env.image`."""
+    from env.episode import sandbox_factory as factory
 
-    local: the task's repo_files or repo_dir. docker: the task's image (R2E-Gym /
-    SWE-bench style, repo at task.workdir), or `env.image` with the task's files
-    written into it (generated tasks).
-    """
-    from env.sandbox import make_sandbox
-
-    def make(task: Task):
-        if env_cfg.backend == "local":
-            if task.repo_files is not None:
-                return make_sandbox("local", repo_files=task.repo_files)
-            if task.repo_dir:
-                return make_sandbox("local", repo_dir=task.repo_dir,
-                                    base_commit=task.base_commit or None)
-            raise ValueError(f"task {task.instance_id!r} has no local source (repo_files or "
-                             "repo_dir); run it with env.backend='docker'")
-        if env_cfg.backend == "docker":
-            if task.image:
-                return make_sandbox("docker", image=task.image, workdir=task.workdir)
-            if not env_cfg.image:
-                raise ValueError(f"task {task.instance_id!r} names no image and env.image is "
-                                 "empty")
-            return make_sandbox("docker", image=env_cfg.image, workdir=task.workdir,
-                                repo_files=task.repo_files)
+    if env_cfg.backend not in ("local", "docker"):
         raise ValueError(f"env.backend must be 'local' or 'docker', got {env_cfg.backend!r}")
-
-    return make
+    defaults = {"image": env_cfg.image} if env_cfg.backend == "docker" and env_cfg.image else {}
+    return factory(env_cfg.backend, **defaults)
 
 
 # ------------------------------------------------------------------ Prefix Sampling / SPO
