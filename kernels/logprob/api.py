@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels.logprob.chunked import token_logprobs_chunked
+from kernels.logprob.pallas import PallasEngine
 from kernels.logprob.reference import token_logprobs_reference
 from kernels.logprob.xla import XlaEngine
 
@@ -37,7 +38,8 @@ def token_logprobs(
       temperature: sampling temperature (> 0), a static Python float.
       implementation: None (xla on CPU; pallas elsewhere, falling back to xla when the
         kernels do not compile for these shapes), "reference", "xla" or "pallas".
-      row_block, vocab_block: tile sizes; None keeps the implementation's defaults.
+      row_block, vocab_block: tile sizes of the chosen engine; None keeps its defaults
+        (xla 1024 x 4096 for CPU caches, pallas 64 x 128 for GPU tiles).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
 
     Returns:
@@ -60,8 +62,6 @@ def token_logprobs(
         raise ValueError(f"block sizes must be positive integers, got {blocks}")
     engine = XlaEngine(**blocks)
     if implementation == "pallas" or (implementation is None and not on_cpu):
-        from kernels.logprob.pallas import PallasEngine
-
         pallas_engine = PallasEngine(**blocks, interpret=interpret)
         # An explicit request runs the kernels as they are; the default checks that they
         # compile for these shapes on this backend and otherwise keeps the XLA engine.
