@@ -48,6 +48,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
                         force=True)
+    logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save chatter
 
     # ------------------------------------------------------------------ config
     config = common.load_config(args.config)
