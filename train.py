@@ -60,7 +60,12 @@ def main(argv=None) -> None:
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=1))
+    asyncio.run(run(config, workdir))
 
+
+async def run(config, workdir: str) -> None:
+    """Everything after the config, on one event loop (engine batching, sandbox slots
+    and in-flight rollouts all live on it)."""
     # ------------------------------------------------------------------ mesh
     mesh = sharding.make_mesh(**config.mesh)
 
@@ -126,10 +131,10 @@ def main(argv=None) -> None:
         spo_sampler.load_state_dict(host["spo_sampler"])
         np_rng.bit_generator.state = host["np_rng"]
         log.info("resumed from %s at step %d", ckpt.directory, first_step)
-        asyncio.run(engine.update_weights(setup.engine_params(state.params)))
+        await engine.update_weights(setup.engine_params(state.params))
     elif config.sft.steps:
-        state = asyncio.run(warm_start(config, agent, graphdef, state, mesh, writer))
-        asyncio.run(engine.update_weights(setup.engine_params(state.params)))
+        state = await warm_start(config, agent, graphdef, state, mesh, writer)
+        await engine.update_weights(setup.engine_params(state.params))
         ckpt.save(0, state, host_state(0))
 
     # ------------------------------------------------------------------ train loop
@@ -214,7 +219,7 @@ def main(argv=None) -> None:
         return state
 
     try:
-        state = asyncio.run(rl_loop(state))
+        state = await rl_loop(state)
     finally:
         ckpt.wait()
         ckpt.close()
@@ -247,9 +252,12 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
 
 async def warm_start(config, agent: Agent, graphdef, state, mesh, writer: MetricWriter):
     """SFT on scripted expert demonstrations, some imperfect, then a fresh RL optimizer."""
+    t0 = time.perf_counter()
     demos = await setup.demonstrations(config, agent)
-    log.info("SFT on %d demonstrations (%d correct)", len(demos),
-             sum(d.reward == 1 for d in demos))
+    log.info("SFT on %d demonstrations (%d correct, %d tokens; rendered in %.0fs)", len(demos),
+             sum(d.reward == 1 for d in demos), sum(len(d.token_arrays()[0]) for d in demos),
+             time.perf_counter() - t0)
+    t0 = time.perf_counter()
     sft_cfg = setup.sft_learner_config(config)
     _, sft_state = learner.init_train_state(nnx.merge(graphdef, state.params), sft_cfg, mesh)
     epochs = max(1, round(config.sft.steps * config.sft.batch_size / len(demos)))
@@ -259,10 +267,13 @@ async def warm_start(config, agent: Agent, graphdef, state, mesh, writer: Metric
             bar.update(1)
             if step % 10 == 0:
                 writer.write_scalars(step, {f"sft/{k}": v for k, v in m.items()})
+            if step % 25 == 0:
+                log.info("SFT step %d: loss %.3f", step, m["loss"])
         sft_state = await asyncio.to_thread(
             sft.train_sft, sft_state, graphdef, demos, sft_cfg,
             buckets=config.learner.row_buckets, batch_size=config.sft.batch_size,
             epochs=epochs, mesh=mesh, on_metrics=on_metrics)
+    log.info("SFT: %d steps in %.0fs", total, time.perf_counter() - t0)
     _, state = learner.init_train_state(nnx.merge(graphdef, sft_state.params), config.learner,
                                         mesh)
     return state

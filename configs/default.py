@@ -25,31 +25,31 @@ def get_config(arg=None):
                            seed=0, steps=0)
     c = ml_collections.ConfigDict()
     c.seed = arg.seed
-    c.total_steps = 40  # RL steps
+    c.total_steps = 30  # RL steps
 
-    c.model = dict(preset="tiny", hf_path="", hidden_size=192, intermediate_size=512,
-                   num_layers=3, num_heads=4, num_kv_heads=2, head_dim=48,
+    c.model = dict(preset="tiny", hf_path="", hidden_size=128, intermediate_size=384,
+                   num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                    max_position_embeddings=4096)
     # The default tokenizer is a byte-level BPE trained on the generated tasks and
     # demonstrations (deterministic); `path` takes a released tokenizer.json instead.
     c.tokenizer = dict(path="", bpe_vocab_size=1024)
     c.mesh = dict(data=1, fsdp=1, tensor=1)
 
-    c.engine = dict(kind="embedded", max_batch=64, max_len=2048,
+    c.engine = dict(kind="embedded", max_batch=64, max_len=1024,
                     sglang=common.sglang_defaults())
 
-    c.env = dict(backend="local", tasks="miniswe", train_tasks=512, eval_tasks=64,
+    c.env = dict(backend="local", tasks="miniswe", train_tasks=512, eval_tasks=48,
                  difficulties=(0, 1), task_seed=1234, eval_seed=4321, image="",
                  max_concurrent=16, tools_in_prompt=False)
 
     c.rollout = dict(max_steps=6, max_turn_tokens=80, max_response_tokens=400,
-                     max_context=1536, wall_timeout_s=300.0, temperature=1.0, top_p=1.0,
+                     max_context=1024, wall_timeout_s=300.0, temperature=1.0, top_p=1.0,
                      top_k=-1, test_timeout_s=30.0, env_retries=1)
 
     c.algo = "grpo"  # "grpo" (group collection) or "spo" (single stream)
     c.advantage = "grpo"  # rl.advantages name, for algo=grpo
     c.reject_degenerate = True  # drop all-pass / all-fail groups
-    c.batch_tasks = 16  # tasks per RL step (grpo), prompts per step (spo)
+    c.batch_tasks = 8  # tasks per RL step (grpo), prompts per step (spo)
     c.group_size = 8  # rollouts per task (grpo)
 
     c.ps = common.prefix_defaults(enabled=not arg.baseline, adaptive=arg.adaptive)
@@ -61,9 +61,10 @@ def get_config(arg=None):
     c.learner.optim.warmup_steps = 0
     c.learner.optim.weight_decay = 0.0
     c.learner.loss.eps_low, c.learner.loss.eps_high = 0.2, 0.28
-    c.learner.row_buckets = (512, 1024, 2048)
+    # Short rows: attention cost grows with the row length, not the segment length.
+    c.learner.row_buckets = (512, 1024)
 
-    c.sft = dict(steps=300, batch_size=32, lr=3e-3, warmup_steps=20, num_demos=1024,
+    c.sft = dict(steps=150, batch_size=16, lr=3e-3, warmup_steps=10, num_demos=256,
                  imperfect_share=0.3)
 
     c.eval_every = 10

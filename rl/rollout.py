@@ -27,6 +27,7 @@ first B that finish, carry the rest into the next call).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import copy
 import dataclasses
 import functools
@@ -100,8 +101,15 @@ class Agent:
         # scratch on these tasks can do without them and save the context.
         self.tools = TOOL_SCHEMAS if tools_in_prompt else None
         self._env_slots = asyncio.Semaphore(max_concurrent_envs)
+        # Sandbox calls block on subprocesses: one thread per live sandbox, so the
+        # default executor's few threads do not become the limit.
+        self._env_threads = concurrent.futures.ThreadPoolExecutor(
+            max_concurrent_envs, thread_name_prefix="env")
         self.stop_ids = sorted({tokenizer.special_ids[TOOL_CALL_END], tokenizer.eos_id,
                                 tokenizer.pad_id})
+
+    async def _in_env_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._env_threads, fn, *args)
 
     def with_sampling(self, **sampling) -> Agent:
         """An agent sharing engine, tokenizer and sandbox slots, with other sampling
@@ -150,7 +158,7 @@ class Agent:
         async with self._env_slots:
             t0 = time.perf_counter()
             try:
-                episode, obs_ids = await asyncio.to_thread(self._start, job, traj)
+                episode, obs_ids = await self._in_env_thread(self._start, job, traj)
             except SandboxError as e:
                 traj.status, traj.error = "env_error", f"SandboxError: {e}"
                 return traj
@@ -159,12 +167,12 @@ class Agent:
                 await self._loop(traj, episode, obs_ids, act)
                 if traj.status != "env_error":
                     t0 = time.perf_counter()
-                    traj.reward = await asyncio.to_thread(episode.reward)
+                    traj.reward = await self._in_env_thread(episode.reward)
                     timings["grade_s"] += time.perf_counter() - t0
                     if episode.status == "env_error":
                         traj.status, traj.error = "env_error", episode.error
             finally:
-                await asyncio.to_thread(episode.close)
+                await self._in_env_thread(episode.close)
         return traj
 
     def _start(self, job: RolloutJob, traj: Trajectory):
@@ -216,7 +224,7 @@ class Agent:
             context += turn.action_ids
             generated += len(turn.action_ids)
             t0 = time.perf_counter()
-            observation, done = await asyncio.to_thread(episode.step,
+            observation, done = await self._in_env_thread(episode.step,
                                                         tok.decode(turn.action_ids))
             timings["env_s"] += time.perf_counter() - t0
             if episode.status == "env_error":
