@@ -25,7 +25,7 @@ def get_config(arg=None):
                            seed=0, steps=0)
     c = ml_collections.ConfigDict()
     c.seed = arg.seed
-    c.total_steps = 30  # RL steps
+    c.total_steps = 20  # RL steps
 
     c.model = dict(preset="tiny", hf_path="", hidden_size=128, intermediate_size=384,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -49,7 +49,7 @@ def get_config(arg=None):
     c.algo = "grpo"  # "grpo" (group collection) or "spo" (single stream)
     c.advantage = "grpo"  # rl.advantages name, for algo=grpo
     c.reject_degenerate = True  # drop all-pass / all-fail groups
-    c.batch_tasks = 8  # tasks per RL step (grpo), prompts per step (spo)
+    c.batch_tasks = 6  # tasks per RL step (grpo), prompts per step (spo)
     c.group_size = 8  # rollouts per task (grpo)
 
     c.ps = common.prefix_defaults(enabled=not arg.baseline, adaptive=arg.adaptive)
@@ -64,7 +64,7 @@ def get_config(arg=None):
     # Short rows: attention cost grows with the row length, not the segment length.
     c.learner.row_buckets = (512, 1024)
 
-    c.sft = dict(steps=150, batch_size=16, lr=3e-3, warmup_steps=10, num_demos=256,
+    c.sft = dict(steps=100, batch_size=16, lr=3e-3, warmup_steps=10, num_demos=256,
                  imperfect_share=0.3)
 
     c.eval_every = 10
@@ -76,7 +76,7 @@ def get_config(arg=None):
     if arg.spo:
         c.algo = "spo"
         c.ps.enabled = False
-        c.batch_tasks = 64
+        c.batch_tasks = 48
         c.group_size = 1
     if arg.smoke:
         c.total_steps = 2

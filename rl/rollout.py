@@ -298,6 +298,7 @@ class StreamCollector:
         extra, done = done[batch_size:], done[:batch_size]
         for traj in extra:
             self._running.add(_completed(traj))
+        self._top_up()  # keep the stream full while the caller trains on this batch
         return done
 
     async def close(self) -> None:
