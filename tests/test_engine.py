@@ -233,8 +233,11 @@ def test_server_builds_engine_from_training_config():
     from configs.common import load_config
     from inference.server import engine_from_config
 
-    engine, model_path = engine_from_config(load_config("configs/default.py:smoke"))
+    config = load_config("configs/default.py:smoke")
+    engine, model_path = engine_from_config(config)
     with engine:
         assert model_path is None
-        assert (engine.cfg.hidden_size, engine.cfg.num_layers) == (64, 1)
-        assert engine.max_batch == 64 and engine.max_len == 2048
+        assert (engine.cfg.hidden_size, engine.cfg.num_layers) == (
+            config.model.hidden_size, config.model.num_layers)
+        assert (engine.max_batch, engine.max_len) == (config.engine.max_batch,
+                                                      config.engine.max_len)

@@ -80,3 +80,15 @@ def test_smoke_run_resumes_after_kill(tmp_path):
     assert "step    2" in resumed.stdout and "step    1 " not in resumed.stdout
     assert os.path.isdir(os.path.join(workdir, "ckpt", "2"))
     assert glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))
+
+
+def test_spo_smoke_run_trains_with_the_tracker(tmp_path):
+    workdir = str(tmp_path / "spo")
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/default.py:smoke,spo", "--workdir",
+         workdir], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rl = [m for m in _steps(workdir) if "time/rollout_s" in m]
+    assert [m["step"] for m in rl] == [1, 2]
+    assert all(m["spo/tracked"] >= 1 and 0.875 <= m["spo/rho_mean"] <= 0.96 for m in rl)
+    assert all(m["rollout/trajectories"] == 4 for m in rl)  # batch_tasks, one response each
