@@ -25,7 +25,7 @@ def get_config(arg=None):
                            seed=0, steps=0)
     c = ml_collections.ConfigDict()
     c.seed = arg.seed
-    c.total_steps = 20  # RL steps
+    c.total_steps = 16  # RL steps
 
     c.model = dict(preset="tiny", hf_path="", hidden_size=128, intermediate_size=384,
                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
@@ -43,7 +43,7 @@ def get_config(arg=None):
                  max_concurrent=16, tools_in_prompt=False)
 
     c.rollout = dict(max_steps=6, max_turn_tokens=80, max_response_tokens=400,
-                     max_context=1024, wall_timeout_s=300.0, temperature=1.0, top_p=1.0,
+                     max_context=1024, wall_timeout_s=300.0, temperature=0.7, top_p=1.0,
                      top_k=-1, test_timeout_s=30.0, env_retries=1)
 
     c.algo = "grpo"  # "grpo" (group collection) or "spo" (single stream)
@@ -57,6 +57,10 @@ def get_config(arg=None):
 
     c.learner = learner.default_config()
     c.learner.seed = arg.seed
+    # Rollouts sample at T=0.7 (at T=1 the warm-started tiny policy almost never
+    # solves a task, so every group is rejected); the learner's log-probs use the
+    # same temperature, as the sampler's do.
+    c.learner.temperature = c.rollout.temperature
     c.learner.optim.lr = 2e-5
     c.learner.optim.warmup_steps = 0
     c.learner.optim.weight_decay = 0.0
@@ -64,10 +68,10 @@ def get_config(arg=None):
     # Short rows: attention cost grows with the row length, not the segment length.
     c.learner.row_buckets = (512, 1024)
 
-    c.sft = dict(steps=100, batch_size=16, lr=3e-3, warmup_steps=10, num_demos=256,
+    c.sft = dict(steps=130, batch_size=16, lr=3e-3, warmup_steps=10, num_demos=256,
                  imperfect_share=0.3)
 
-    c.eval_every = 10
+    c.eval_every = 8
     c.eval_temperature = 0.0  # greedy held-out evaluation
     c.ckpt_every = 5
     c.ckpt_keep = 2
