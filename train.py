@@ -133,7 +133,7 @@ async def run(config, workdir: str) -> None:
         log.info("resumed from %s at step %d", ckpt.directory, first_step)
         await engine.update_weights(setup.engine_params(state.params))
     elif config.sft.steps:
-        state = await warm_start(config, agent, graphdef, state, mesh, writer)
+        state = await warm_start(config, agent, train_tasks, graphdef, state, mesh, writer)
         await engine.update_weights(setup.engine_params(state.params))
         ckpt.save(0, state, host_state(0))
 
@@ -250,10 +250,11 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
     return out
 
 
-async def warm_start(config, agent: Agent, graphdef, state, mesh, writer: MetricWriter):
+async def warm_start(config, agent: Agent, train_tasks, graphdef, state, mesh,
+                     writer: MetricWriter):
     """SFT on scripted expert demonstrations, some imperfect, then a fresh RL optimizer."""
     t0 = time.perf_counter()
-    demos = await setup.demonstrations(config, agent)
+    demos = await setup.demonstrations(config, agent, train_tasks)
     log.info("SFT on %d demonstrations (%d correct, %d tokens; rendered in %.0fs)", len(demos),
              sum(d.reward == 1 for d in demos), sum(len(d.token_arrays()[0]) for d in demos),
              time.perf_counter() - t0)

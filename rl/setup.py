@@ -6,9 +6,11 @@ here so that the entry point stays a page of wiring.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import os
+import random
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -25,6 +27,7 @@ from models import qwen3
 from models.tokenizer import Tokenizer, train_bpe
 from rl import learner, prefix
 from rl.rollout import Agent, RolloutJob
+from rl.sampler import TaskSampler
 from rl.types import Trajectory, Turn
 
 # ------------------------------------------------------------------ checks
@@ -226,14 +229,9 @@ def window_trajectory(ids, mask) -> Trajectory:
 # ------------------------------------------------------------------ warm start
 
 
-async def demonstrations(config, agent: Agent) -> list[Trajectory]:
+async def demonstrations(config, agent: Agent, train: Sequence[Task]) -> list[Trajectory]:
     """Scripted expert demonstrations on training tasks, a share of them imperfect,
     rendered through the agent's own loop (identical token layout)."""
-    import random
-
-    from rl.sampler import TaskSampler
-
-    train, _ = tasks(config.env)
     rng = random.Random(config.seed)
     chosen = TaskSampler(train, seed=config.seed).next(config.sft.num_demos)
     scripts = []
@@ -246,7 +244,6 @@ async def demonstrations(config, agent: Agent) -> list[Trajectory]:
             traj = await agent.demonstrate(task, actions)
             bar.update(1)
             return traj
-        import asyncio
 
         demos = await asyncio.gather(*(one(t, a) for t, a in scripts))
     return [d for d in demos if not d.is_env_error and d.num_generated_tokens]
