@@ -19,9 +19,8 @@ IMAGE = os.environ.get("SANDBOX_IMAGE", "swe-sandbox:test")
 BACKENDS = [pytest.param("local"), pytest.param("docker", marks=pytest.mark.docker)]
 
 
-def docker_defaults(request) -> dict:
-    """DockerSandbox arguments: the session's client and the sandbox image."""
-    client = request.getfixturevalue("docker_client")
+def ensure_image(client) -> str:
+    """The sandbox image, built with scripts/build_sandbox_image.sh when missing."""
     import docker.errors
 
     try:
@@ -29,7 +28,13 @@ def docker_defaults(request) -> dict:
     except docker.errors.ImageNotFound:
         script = os.path.join(ROOT, "scripts", "build_sandbox_image.sh")
         subprocess.run([script, IMAGE], check=True, timeout=1200)
-    return {"image": IMAGE, "client": client, "mem_limit": "512m"}
+    return IMAGE
+
+
+def docker_defaults(request) -> dict:
+    """DockerSandbox arguments: the session's client and the sandbox image."""
+    client = request.getfixturevalue("docker_client")
+    return {"image": ensure_image(client), "client": client, "mem_limit": "512m"}
 
 
 def backend_factory(request, backend: str):

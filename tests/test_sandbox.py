@@ -17,13 +17,12 @@ import threading
 import time
 
 import pytest
+from sandbox_backends import IMAGE, ROOT, ensure_image
 
 from env.sandbox import SandboxError, make_sandbox
 from env.sandbox.local import LocalLimits, uid_processes
 from env.sandbox.pool import POOL_LABEL, SandboxPool, make_pool
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMAGE = os.environ.get("SANDBOX_IMAGE", "swe-sandbox:test")
 FILES = {
     "calc.py": "def add(a, b):\n    return a - b\n",
     "test_calc.py": textwrap.dedent("""\
@@ -44,14 +43,7 @@ def docker_image(request):
     if os.geteuid() == 0:  # start an engine when none answers (fresh CI machine)
         subprocess.run([os.path.join(ROOT, "scripts", "start_dockerd.sh")], check=False)
     client = request.getfixturevalue("docker_client")
-    import docker.errors
-
-    try:
-        client.images.get(IMAGE)
-    except docker.errors.ImageNotFound:
-        script = os.path.join(ROOT, "scripts", "build_sandbox_image.sh")
-        subprocess.run([script, IMAGE], check=True, timeout=1200)
-    return client, IMAGE
+    return client, ensure_image(client)
 
 
 @pytest.fixture(params=["local", "docker"])
