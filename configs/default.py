@@ -35,7 +35,9 @@ def get_config(arg=None):
     c.tokenizer = dict(path="", bpe_vocab_size=1024)
     c.mesh = dict(data=1, fsdp=1, tensor=1)
 
-    c.engine = dict(kind="embedded", max_batch=64, max_len=1024,
+    # The prefix cache keeps each conversation's keys/values between turns (~1 KB per
+    # position for this model), so a turn prefills only the new observation.
+    c.engine = dict(kind="embedded", max_batch=64, max_len=1024, prefix_cache_tokens=262_144,
                     sglang=common.sglang_defaults())
 
     c.env = dict(backend="local", tasks="miniswe", train_tasks=512, eval_tasks=48,

@@ -12,6 +12,13 @@ episodes) stays responsive while the device works.
 
 Sampling is seeded per request and per position (key = fold_in(PRNGKey(seed), pos)),
 so a request's sample does not depend on what it was batched with.
+
+Prefix cache (as SGLang's radix cache does for a multi-turn agent): the keys and
+values of every finished request's prompt + output are kept on the host, up to a
+token budget, least recently used first out. A request whose prompt extends a kept
+sequence starts from those keys and values and prefills only the new tokens (the
+observation of the last tool call), instead of the whole conversation again. New
+weights empty the cache.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from flax import nnx
 
 from inference.engine import Engine, EngineError, GenerateRequest, GenerateResult
 from inference.sampling import sample_tokens
+from models import qwen3
 
 
 def bucket(n: int, cap: int, minimum: int = 1) -> int:
@@ -59,14 +67,87 @@ class _Batch:
     top_p: np.ndarray         # [B] f32
     top_k: np.ndarray         # [B] int32
     seeds: np.ndarray         # [B] uint32
+    last: np.ndarray          # [B] int32 index in `tokens` of each prompt's last token
     cache_len: int
 
 
+@dataclasses.dataclass
+class _Cached:
+    """Keys and values of positions 0..len(ids)-1 of one sequence: [L,len,K,D] each."""
+
+    ids: tuple[int, ...]
+    k: np.ndarray
+    v: np.ndarray
+
+
+class PrefixCache:
+    """Host-side keys/values of finished sequences, found by longest matching prefix.
+
+    Entries are indexed by (length, hash of the ids); a lookup tries the stored lengths
+    from the longest down. Least recently used entries go first once more than
+    `max_tokens` positions are held.
+    """
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens = int(max_tokens)
+        self.tokens = 0
+        self.hits = 0
+        self.hit_tokens = 0
+        self._entries: dict[tuple[int, int], _Cached] = {}  # insertion order = LRU order
+        self._lengths: dict[int, int] = {}  # length -> number of entries of that length
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._lengths.clear()
+        self.tokens = 0
+
+    def lookup(self, ids: Sequence[int]) -> _Cached | None:
+        """The longest kept sequence that is a proper prefix of `ids` (at least one id
+        is left to prefill, whose hidden state samples the next token)."""
+        ids = tuple(ids)
+        for n in sorted((n for n in self._lengths if n < len(ids)), reverse=True):
+            key = (n, hash(ids[:n]))
+            entry = self._entries.get(key)
+            if entry is not None and entry.ids == ids[:n]:
+                self._entries[key] = self._entries.pop(key)  # most recently used
+                self.hits += 1
+                self.hit_tokens += n
+                return entry
+        return None
+
+    def insert(self, ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
+        ids = tuple(ids)
+        if not ids or len(ids) > self.max_tokens:
+            return
+        key = (len(ids), hash(ids))
+        if key in self._entries:
+            self._entries[key] = self._entries.pop(key)
+            return
+        self._entries[key] = _Cached(ids, k, v)
+        self._lengths[len(ids)] = self._lengths.get(len(ids), 0) + 1
+        self.tokens += len(ids)
+        while self.tokens > self.max_tokens:
+            old_key = next(iter(self._entries))
+            self._entries.pop(old_key)
+            self.tokens -= old_key[0]
+            self._lengths[old_key[0]] -= 1
+            if not self._lengths[old_key[0]]:
+                del self._lengths[old_key[0]]
+
+
 def _pack(requests: Sequence[GenerateRequest], seeds: Sequence[int], max_batch: int,
-          max_len: int, min_batch: int, min_len: int) -> _Batch:
+          max_len: int, min_batch: int, min_len: int,
+          cached: Sequence[int] | None = None) -> _Batch:
+    """Pads a device batch; `cached[i]` leading ids of request i are already in the
+    cache, so only the rest of its prompt is fed (at its absolute positions)."""
     n = len(requests)
+    cached = [0] * n if cached is None else list(cached)
     rows = bucket(n, max_batch, min_batch) if n <= max_batch else n
-    prompt_len = bucket(max(len(r.prompt_ids) for r in requests), max_len, min_len)
+    fed = max(len(r.prompt_ids) - c for r, c in zip(requests, cached, strict=True))
+    prompt_len = bucket(fed, max_len, min_len)
     total = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
     cache_len = bucket(max(total, prompt_len), max_len, min_len)
     n_stop = bucket(max(len(r.stop_token_ids) for r in requests), 1 << 30, 4)
@@ -80,13 +161,15 @@ def _pack(requests: Sequence[GenerateRequest], seeds: Sequence[int], max_batch: 
         top_p=np.ones((rows,), np.float32),
         top_k=np.full((rows,), -1, np.int32),
         seeds=np.zeros((rows,), np.uint32),
+        last=np.zeros((rows,), np.int32),
         cache_len=cache_len,
     )
-    for i, (r, seed) in enumerate(zip(requests, seeds, strict=True)):
+    for i, (r, seed, c) in enumerate(zip(requests, seeds, cached, strict=True)):
         t = len(r.prompt_ids)
-        b.tokens[i, :t] = r.prompt_ids
-        b.positions[i, :t] = np.arange(t)
+        b.tokens[i, :t - c] = r.prompt_ids[c:]
+        b.positions[i, :t - c] = np.arange(c, t)
         b.lengths[i] = t
+        b.last[i] = t - c - 1
         b.max_new[i] = r.max_new_tokens
         b.stop_ids[i, :len(r.stop_token_ids)] = r.stop_token_ids
         b.temperature[i] = r.temperature
@@ -104,17 +187,21 @@ def _sample_at(model, hidden, positions, seeds, temperature, top_p, top_k):
     return sample_tokens(logits, temperature, top_p, top_k, keys)
 
 
-def _prefill(graphdef, params, tokens, positions, lengths, max_new, stop_ids, temperature,
-             top_p, top_k, seeds, *, cache_len):
+def _prefill(graphdef, params, cache_k, cache_v, cache_valid, tokens, positions, lengths, last,
+             max_new, stop_ids, temperature, top_p, top_k, seeds):
     """Prompts -> decode state with the first new token placed at position `lengths`.
 
+    cache_k/v/valid: the cache with any reused prefix already in place; `tokens` are
+    the rest of each prompt at `positions`, the prompt's last one at index `last`.
     Output buffers out_ids/out_logp [B, cache_len] are indexed by absolute position.
     """
     model = nnx.merge(graphdef, params)
-    cache = model.init_cache(tokens.shape[0], cache_len)
+    cache_len = cache_valid.shape[1]
+    start = jnp.max(jnp.where(cache_valid, jnp.arange(cache_len) + 1, 0), axis=1)
+    cache = qwen3.KVCache(k=cache_k, v=cache_v, valid=cache_valid, lengths=start)
     hidden, cache = model.decode(tokens, positions, cache)
     rows = jnp.arange(tokens.shape[0])
-    first, logp = _sample_at(model, hidden[rows, lengths - 1], lengths, seeds, temperature,
+    first, logp = _sample_at(model, hidden[rows, last], lengths, seeds, temperature,
                              top_p, top_k)
     out_ids = jnp.zeros((tokens.shape[0], cache_len), jnp.int32).at[rows, lengths].set(first)
     out_logp = jnp.zeros((tokens.shape[0], cache_len), jnp.float32).at[rows, lengths].set(logp)
@@ -153,12 +240,12 @@ def _decode(graphdef, params, cache, token, pos, n_new, done, stopped, out_ids, 
 
     state = (cache, token, pos, n_new, done, stopped, out_ids, out_logp)
     state = jax.lax.while_loop(lambda s: ~jnp.all(s[4]), body, state)
-    _, _, _, n_new, _, stopped, out_ids, out_logp = state
-    return n_new, stopped, out_ids, out_logp
+    cache, _, _, n_new, _, stopped, out_ids, out_logp = state
+    return n_new, stopped, out_ids, out_logp, cache.k, cache.v
 
 
 # Module-level so engines over the same architecture share compiled programs.
-_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef", "cache_len"))
+_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef",))
 _decode_jit = jax.jit(_decode, static_argnames=("graphdef",))
 
 
@@ -177,10 +264,12 @@ class EmbeddedEngine(Engine):
     min_batch, min_len: smallest batch / length buckets (fewer shapes to compile).
     seed: draws the seeds of requests that come without one.
     batch_wait_s: how long the batcher waits after the first request for others to join.
+    prefix_cache_tokens: positions of keys/values kept for prompt reuse (0: no cache).
     """
 
     def __init__(self, model, *, max_batch: int = 32, max_len: int = 2048, min_batch: int = 1,
-                 min_len: int = 16, seed: int = 0, batch_wait_s: float = 0.002):
+                 min_len: int = 16, seed: int = 0, batch_wait_s: float = 0.002,
+                 prefix_cache_tokens: int = 0):
         self.graphdef, self.params = _split(model)
         self.cfg = nnx.merge(self.graphdef, self.params).cfg
         self.vocab_size = int(self.cfg.vocab_size)
@@ -189,6 +278,7 @@ class EmbeddedEngine(Engine):
         self.min_batch = min(int(min_batch), self.max_batch)
         self.min_len = min(int(min_len), self.max_len)
         self.batch_wait_s = float(batch_wait_s)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self._seeds = np.random.default_rng(seed)
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._queue: asyncio.Queue | None = None
@@ -260,30 +350,55 @@ class EmbeddedEngine(Engine):
                                  f"{new.shape}, the served model has {cur.shape}")
         self.params = jax.tree.map(lambda new, cur: jnp.asarray(new, cur.dtype), params,
                                    self.params)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # keys and values of the old weights
 
     def run_batch(self, requests: Sequence[GenerateRequest],
                   seeds: Sequence[int]) -> list[GenerateResult]:
         """Generates for `requests` as one device batch (blocking)."""
-        b = _pack(requests, seeds, self.max_batch, self.max_len, self.min_batch, self.min_len)
+        pc = self.prefix_cache
+        hits = [pc.lookup(r.prompt_ids) if pc is not None else None for r in requests]
+        b = _pack(requests, seeds, self.max_batch, self.max_len, self.min_batch, self.min_len,
+                  cached=[len(h.ids) if h is not None else 0 for h in hits])
+        cfg, rows = self.cfg, len(b.lengths)
+        shape = (cfg.num_layers, rows, b.cache_len, cfg.num_kv_heads, cfg.head_dim)
+        cache_k = np.zeros(shape, jnp.dtype(cfg.dtype))
+        cache_v = np.zeros(shape, jnp.dtype(cfg.dtype))
+        cache_valid = np.zeros((rows, b.cache_len), bool)
+        for i, h in enumerate(hits):
+            if h is not None:
+                cache_k[:, i, :len(h.ids)] = h.k
+                cache_v[:, i, :len(h.ids)] = h.v
+                cache_valid[i, :len(h.ids)] = True
         sampling = (jnp.asarray(b.max_new), jnp.asarray(b.stop_ids), jnp.asarray(b.temperature),
                     jnp.asarray(b.top_p), jnp.asarray(b.top_k), jnp.asarray(b.seeds))
         t0 = time.perf_counter()
-        state = _prefill_jit(self.graphdef, self.params, jnp.asarray(b.tokens),
-                             jnp.asarray(b.positions), jnp.asarray(b.lengths), *sampling,
-                             cache_len=b.cache_len)
+        state = _prefill_jit(self.graphdef, self.params, jnp.asarray(cache_k),
+                             jnp.asarray(cache_v), jnp.asarray(cache_valid),
+                             jnp.asarray(b.tokens), jnp.asarray(b.positions),
+                             jnp.asarray(b.lengths), jnp.asarray(b.last), *sampling)
         jax.block_until_ready(state)
         t1 = time.perf_counter()
-        n_new, stopped, out_ids, out_logp = jax.device_get(
-            _decode_jit(self.graphdef, self.params, *state, *sampling))
+        out = _decode_jit(self.graphdef, self.params, *state, *sampling)
+        n_new, stopped, out_ids, out_logp = jax.device_get(out[:4])
         t2 = time.perf_counter()
+        if pc is not None:
+            # Positions 0 .. prompt + n_new - 2 hold keys/values of fed tokens (the last
+            # sampled token was never fed).
+            cache_k, cache_v = jax.device_get(out[4:])
         results = []
-        for i in range(len(requests)):
+        for i, r in enumerate(requests):
             start, stop = b.lengths[i], b.lengths[i] + n_new[i]
             results.append(GenerateResult(
                 output_ids=out_ids[i, start:stop].tolist(),
                 logprobs=out_logp[i, start:stop].tolist(),
                 finish_reason="stop" if stopped[i] else "length",
-                timings={"prefill_s": t1 - t0, "decode_s": t2 - t1}))
+                timings={"prefill_s": t1 - t0, "decode_s": t2 - t1},
+                cached_tokens=len(hits[i].ids) if hits[i] is not None else 0))
+            if pc is not None:
+                n = stop - 1
+                pc.insert((*r.prompt_ids, *results[-1].output_ids)[:n],
+                          cache_k[:, i, :n].copy(), cache_v[:, i, :n].copy())
         return results
 
     # ------------------------------------------------------------------ batching

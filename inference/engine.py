@@ -69,12 +69,14 @@ class GenerateResult:
     logprobs: per output id, log_softmax(logits / temperature)[id] (temperature 1 when greedy).
     finish_reason: "stop" (a stop id), "length" (max_new_tokens) or "abort".
     timings: seconds; keys prefill_s, decode_s, queue_s.
+    cached_tokens: leading prompt ids served from the engine's prefix cache.
     """
 
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
+    cached_tokens: int = 0
 
 
 class Engine(abc.ABC):

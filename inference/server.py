@@ -127,7 +127,7 @@ def render(result: GenerateResult, request: GenerateRequest, rid: str, return_lo
         "finish_reason": _finish_reason(result),
         "prompt_tokens": len(request.prompt_ids),
         "completion_tokens": len(result.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": result.cached_tokens,
         "weight_version": weight_version,
         "e2e_latency": latency,
     }
@@ -267,11 +267,13 @@ def engine_from_config(config) -> tuple[Engine, str | None]:
                         seed=int(config.get("seed", 0)),
                         max_batch=int(engine_cfg.get("max_batch", 32)),
                         max_len=int(engine_cfg.get("max_len", 2048)),
+                        prefix_cache_tokens=int(engine_cfg.get("prefix_cache_tokens", 0)),
                         overrides=dict(model_cfg))
 
 
 def build_engine(hf_dir: str | None, preset: str | None, seed: int, max_batch: int,
                  max_len: int, min_batch: int = 1, min_len: int = 16,
+                 prefix_cache_tokens: int = 0,
                  overrides: dict[str, Any] | None = None) -> tuple[Engine, str | None]:
     """An EmbeddedEngine over an HF directory or a randomly initialised preset (with the
     Qwen3Config fields found in `overrides`)."""
@@ -294,7 +296,7 @@ def build_engine(hf_dir: str | None, preset: str | None, seed: int, max_batch: i
     else:
         raise ValueError("give --model-path, --preset or --config")
     engine = EmbeddedEngine(model, max_batch=max_batch, max_len=max_len, min_batch=min_batch,
-                            min_len=min_len, seed=seed)
+                            min_len=min_len, seed=seed, prefix_cache_tokens=prefix_cache_tokens)
     return engine, hf_dir
 
 
@@ -310,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--min-batch", type=int, default=1, help="smallest batch bucket")
     p.add_argument("--min-len", type=int, default=16, help="smallest length bucket")
+    p.add_argument("--prefix-cache-tokens", type=int, default=0,
+                   help="positions of keys/values kept for prompt-prefix reuse (0: off)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -320,7 +324,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         engine, model_path = build_engine(args.model_path, args.preset, args.seed,
                                           args.max_batch, args.max_len, args.min_batch,
-                                          args.min_len)
+                                          args.min_len, args.prefix_cache_tokens)
     server = Server(engine, model_path=model_path)
     log.info("serving on http://%s:%d", args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None,

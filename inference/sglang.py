@@ -60,7 +60,8 @@ def parse_response(item: dict[str, Any], latency: float) -> GenerateResult:
     # SGLang reports only the end-to-end latency; it is booked as decode time.
     return GenerateResult(output_ids=ids, logprobs=[float(p[0]) for p in pairs],
                           finish_reason=reason,
-                          timings={"prefill_s": 0.0, "decode_s": latency, "queue_s": 0.0})
+                          timings={"prefill_s": 0.0, "decode_s": latency, "queue_s": 0.0},
+                          cached_tokens=int(meta.get("cached_tokens") or 0))
 
 
 @dataclasses.dataclass

@@ -153,7 +153,8 @@ def engine(config, graphdef, params, workdir: str, model_cfg: qwen3.Qwen3Config)
 
         return EmbeddedEngine((graphdef, engine_params(params)),
                               max_batch=config.engine.max_batch, max_len=config.engine.max_len,
-                              seed=config.seed)
+                              seed=config.seed,
+                              prefix_cache_tokens=config.engine.get("prefix_cache_tokens", 0))
     if config.engine.kind == "sglang":
         from inference import sglang
 

@@ -172,6 +172,72 @@ def test_update_weights_from_params_and_hf_dir(model, tmp_path):
             run(eng.update_weights(wrong))
 
 
+def _conversations(engine, turns: int, n: int, temperature: float):
+    """n multi-turn exchanges: each turn's prompt is the previous prompt + output + a
+    fresh 'observation'; returns every turn's result."""
+
+    async def one(i):
+        ids, out = prompt(200 + i, 5 + i), []
+        for t in range(turns):
+            (res,) = await engine.generate([GenerateRequest(
+                ids, 6, temperature=temperature, seed=10 * i + t)])
+            out.append(res)
+            ids = ids + res.output_ids + prompt(300 + 10 * i + t, 3 + t)
+        return out
+
+    async def all_():
+        return await asyncio.gather(*(one(i) for i in range(n)))
+
+    return run(all_())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_prefix_cache_reuses_turns_and_changes_no_output(model, temperature):
+    with EmbeddedEngine(model, max_batch=8, max_len=64, min_len=16, seed=0,
+                        prefix_cache_tokens=4096) as cached, \
+            EmbeddedEngine(model, max_batch=8, max_len=64, min_len=16, seed=0) as plain:
+        got = _conversations(cached, turns=3, n=5, temperature=temperature)
+        want = _conversations(plain, turns=3, n=5, temperature=temperature)
+        for conv_got, conv_want in zip(got, want, strict=True):
+            for t, (a, b) in enumerate(zip(conv_got, conv_want, strict=True)):
+                assert a.output_ids == b.output_ids
+                np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+                assert b.cached_tokens == 0
+                # Turn t > 0 reuses everything the previous turn fed: its prompt and all
+                # but its last output id.
+                if t == 0:
+                    assert a.cached_tokens == 0
+                else:
+                    prev_prompt = 5 + got.index(conv_got) + sum(
+                        len(r.output_ids) + 3 + j for j, r in enumerate(conv_got[:t - 1]))
+                    assert a.cached_tokens == prev_prompt + len(conv_got[t - 1].output_ids) - 1
+        # New weights empty the cache: the next turn prefills from scratch.
+        run(cached.update_weights(nnx.state(model, nnx.Param)))
+        assert len(cached.prefix_cache) == 0
+        again = _conversations(cached, turns=1, n=1, temperature=temperature)
+        assert again[0][0].cached_tokens == 0
+
+
+def test_prefix_cache_lookup_and_lru_budget():
+    from inference.embedded import PrefixCache
+
+    def kv(n):
+        return np.full((1, n, 1, 1), float(n)), np.zeros((1, n, 1, 1))
+
+    pc = PrefixCache(max_tokens=10)
+    pc.insert([1, 2, 3], *kv(3))
+    pc.insert([1, 2, 3, 4, 5], *kv(5))
+    assert pc.lookup([1, 2, 3, 4, 5, 6]).ids == (1, 2, 3, 4, 5)  # the longest match
+    assert pc.lookup([1, 2, 3, 4, 5]).ids == (1, 2, 3)  # one id must stay to prefill
+    assert pc.lookup([1, 2, 9, 9]) is None and pc.lookup([2, 3, 4, 5]) is None
+    pc.insert([7, 8, 9, 10], *kv(4))  # 12 > 10 tokens: the least recently used goes
+    assert pc.tokens == 7 and len(pc) == 2  # [1..5] was used before [1, 2, 3]
+    assert pc.lookup([1, 2, 3, 4, 5, 6]).ids == (1, 2, 3)
+    assert pc.lookup([1, 2, 3, 0]).k[0, 0, 0, 0] == 3.0
+    pc.insert(list(range(11)), *kv(11))  # longer than the budget: not kept
+    assert pc.tokens == 7
+
+
 def test_bad_requests_are_named(engine):
     with pytest.raises(ValueError, match="max_len"):
         run(engine.generate([GenerateRequest([1] * 60, 10)]))
