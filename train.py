@@ -45,6 +45,9 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", default="runs/default")
     p.add_argument("--dry_run", action="store_true",
                    help="build everything except remote services and exit")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set learner.optim.lr=1e-4 (repeatable; "
+                        "values are Python literals, else strings)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
                         force=True)
@@ -52,6 +55,7 @@ def main(argv=None) -> None:
 
     # ------------------------------------------------------------------ config
     config = common.load_config(args.config)
+    config = common.apply_overrides(config, common.parse_overrides(args.set))
     setup.check_config(config)
     if args.dry_run:
         print(json.dumps(setup.dry_run(config), indent=1))
@@ -144,7 +148,8 @@ async def run(config, workdir: str) -> None:
             collector = StreamCollector(agent, setup.spo_job_stream(
                 spo_sampler, [t.instance_id for t in train_tasks], task_by_id,
                 config.batch_tasks, np_rng), in_flight=config.spo.in_flight)
-        if first_step == 0:
+        if first_step == 0 and not os.path.exists(os.path.join(workdir, "eval_0.json")):
+            # (A workdir seeded with a shared warm start already holds its step-0 eval.)
             await evaluate(config, agent, eval_tasks, writer, 0, workdir)
         for step in range(first_step + 1, config.total_steps + 1):
             t_step = time.perf_counter()

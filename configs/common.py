@@ -85,6 +85,22 @@ def apply_overrides(config: ConfigDict, overrides: dict[str, Any]) -> ConfigDict
     return config
 
 
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """`["learner.optim.lr=1e-4", "env.backend=docker"]` -> {dotted key: value}; a value
+    is a Python literal where it parses as one, else the string."""
+    out = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip():
+            raise ValueError(f"override {item!r} is not KEY=VALUE")
+        try:
+            value = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
 def load_config(spec: str) -> ConfigDict:
     """Loads `path/to/file.py[:arg]` by calling its `get_config(arg)`."""
     path, _, arg = spec.partition(":")

@@ -140,7 +140,7 @@ class PrefixCache:
 
 def _pack(requests: Sequence[GenerateRequest], seeds: Sequence[int], max_batch: int,
           max_len: int, min_batch: int, min_len: int,
-          cached: Sequence[int] | None = None) -> _Batch:
+          cached: Sequence[int] | None = None, min_cache_len: int = 1) -> _Batch:
     """Pads a device batch; `cached[i]` leading ids of request i are already in the
     cache, so only the rest of its prompt is fed (at its absolute positions)."""
     n = len(requests)
@@ -149,7 +149,7 @@ def _pack(requests: Sequence[GenerateRequest], seeds: Sequence[int], max_batch: 
     fed = max(len(r.prompt_ids) - c for r, c in zip(requests, cached, strict=True))
     prompt_len = bucket(fed, max_len, min_len)
     total = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    cache_len = bucket(max(total, prompt_len), max_len, min_len)
+    cache_len = bucket(max(total, prompt_len), max_len, max(min_len, min_cache_len))
     n_stop = bucket(max(len(r.stop_token_ids) for r in requests), 1 << 30, 4)
     b = _Batch(
         tokens=np.zeros((rows, prompt_len), np.int32),
@@ -262,6 +262,8 @@ class EmbeddedEngine(Engine):
     max_batch: most rows in one device batch (more concurrent requests wait a round).
     max_len: longest prompt + max_new_tokens; also the largest cache bucket.
     min_batch, min_len: smallest batch / length buckets (fewer shapes to compile).
+    min_cache_len: smallest cache bucket (with a prefix cache, prompts to prefill are
+      short but their caches long; one cache size means fewer shapes to compile).
     seed: draws the seeds of requests that come without one.
     batch_wait_s: how long the batcher waits after the first request for others to join.
     prefix_cache_tokens: positions of keys/values kept for prompt reuse (0: no cache).
@@ -269,7 +271,7 @@ class EmbeddedEngine(Engine):
 
     def __init__(self, model, *, max_batch: int = 32, max_len: int = 2048, min_batch: int = 1,
                  min_len: int = 16, seed: int = 0, batch_wait_s: float = 0.002,
-                 prefix_cache_tokens: int = 0):
+                 prefix_cache_tokens: int = 0, min_cache_len: int = 1):
         self.graphdef, self.params = _split(model)
         self.cfg = nnx.merge(self.graphdef, self.params).cfg
         self.vocab_size = int(self.cfg.vocab_size)
@@ -277,6 +279,7 @@ class EmbeddedEngine(Engine):
         self.max_len = int(max_len)
         self.min_batch = min(int(min_batch), self.max_batch)
         self.min_len = min(int(min_len), self.max_len)
+        self.min_cache_len = min(int(min_cache_len), self.max_len)
         self.batch_wait_s = float(batch_wait_s)
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self._seeds = np.random.default_rng(seed)
@@ -359,7 +362,8 @@ class EmbeddedEngine(Engine):
         pc = self.prefix_cache
         hits = [pc.lookup(r.prompt_ids) if pc is not None else None for r in requests]
         b = _pack(requests, seeds, self.max_batch, self.max_len, self.min_batch, self.min_len,
-                  cached=[len(h.ids) if h is not None else 0 for h in hits])
+                  cached=[len(h.ids) if h is not None else 0 for h in hits],
+                  min_cache_len=self.min_cache_len)
         cfg, rows = self.cfg, len(b.lengths)
         shape = (cfg.num_layers, rows, b.cache_len, cfg.num_kv_heads, cfg.head_dim)
         cache_k = np.zeros(shape, jnp.dtype(cfg.dtype))

@@ -483,7 +483,7 @@ def prefix_metrics(ps: PrefixStep, groups: Sequence[Sequence[Trajectory]],
                    controller: AdaptiveController, queue: PrefixQueue | None = None
                    ) -> dict[str, float]:
     """Scalars for one step under "ps/": class counts, prefix tasks run and their pass
-    rate by kind (absent when none ran), EMA and ratio by kind, replayed vs generated
+    rate by kind and pooled (absent when none ran), EMA and ratio by kind, replayed vs generated
     tokens, effective training tasks, new prefix tasks, queue size and expiries."""
     m: dict[str, float] = {f"ps/{c}": float(v) for c, v in ps.classes.counts.items()}
     m["ps/effective_tasks"] = float(sum(ps.train))
@@ -498,6 +498,9 @@ def prefix_metrics(ps: PrefixStep, groups: Sequence[Sequence[Trajectory]],
             m[f"ps/ema/{kind}"] = float(controller.ema(kind))
         m[f"ps/ratio/{kind}"] = controller.ratio(kind)
         m[f"ps/new_prefix_tasks/{kind}"] = float(sum(t.kind == kind for t in ps.tasks))
+    s, n = (sum(ps.pass_counts[kind][i] for kind in KINDS) for i in (0, 1))
+    if n:
+        m["ps/prefix_pass_rate"] = s / n  # both kinds pooled
     m["ps/no_source"] = float(ps.no_source)
     m["ps/replayed_tokens"] = float(sum(t.num_replayed_tokens for g in groups for t in g))
     m["ps/generated_tokens"] = float(sum(t.num_generated_tokens for g in groups for t in g))

@@ -153,7 +153,9 @@ def engine(config, graphdef, params, workdir: str, model_cfg: qwen3.Qwen3Config)
 
         return EmbeddedEngine((graphdef, engine_params(params)),
                               max_batch=config.engine.max_batch, max_len=config.engine.max_len,
-                              seed=config.seed,
+                              seed=config.seed, min_batch=config.engine.get("min_batch", 1),
+                              min_len=config.engine.get("min_len", 16),
+                              min_cache_len=config.engine.get("min_cache_len", 1),
                               prefix_cache_tokens=config.engine.get("prefix_cache_tokens", 0))
     if config.engine.kind == "sglang":
         from inference import sglang

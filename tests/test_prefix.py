@@ -206,6 +206,7 @@ def test_build_prefix_tasks_and_metrics():
     assert m["ps/effective_tasks"] == 4
     assert m["ps/prefix_tasks/too_hard"] == 1 and m["ps/prefix_tasks/too_easy"] == 0
     assert m["ps/prefix_pass_rate/too_hard"] == 0.25 and "ps/prefix_pass_rate/too_easy" not in m
+    assert m["ps/prefix_pass_rate"] == 0.25
     assert m["ps/new_prefix_tasks/too_hard"] == 1 and m["ps/ratio/too_easy"] == 0.25
     assert m["ps/generated_tokens"] == sum(t.num_generated_tokens for g in groups for t in g)
 

@@ -39,6 +39,23 @@ def test_unknown_config_key_is_named():
         common.load_config(os.path.join(ROOT, "configs/default.py:nope=1"))
 
 
+def test_command_line_overrides(capsys):
+    assert common.parse_overrides(["learner.optim.lr=1e-4", "env.backend=docker",
+                                   "learner.row_buckets=(256, 512)"]) == {
+        "learner.optim.lr": 1e-4, "env.backend": "docker", "learner.row_buckets": (256, 512)}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        common.parse_overrides(["learner.optim.lr"])
+    train.main(["--config", os.path.join(ROOT, "configs/default.py"), "--workdir", "/x",
+                "--dry_run", "--set", "model.num_layers=1", "--set", "rollout.max_steps=3"])
+    one_layer = json.loads(capsys.readouterr().out)["params"]
+    train.main(["--config", os.path.join(ROOT, "configs/default.py"), "--workdir", "/x",
+                "--dry_run"])
+    assert one_layer < json.loads(capsys.readouterr().out)["params"]
+    with pytest.raises(KeyError, match="rollout.nope"):
+        train.main(["--config", os.path.join(ROOT, "configs/default.py"), "--workdir", "/x",
+                    "--dry_run", "--set", "rollout.nope=3"])
+
+
 def _env():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one CPU device, as on a user's machine

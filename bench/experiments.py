@@ -1,0 +1,139 @@
+"""Runs of `train.py` for the experiments, sharing one SFT warm start per seed.
+
+Layout under a root directory (default `runs/experiments`):
+
+    seed{S}/sft/          train.py on the default config with total_steps=0: demonstrations,
+                          SFT, the step-0 checkpoint and the step-0 held-out eval
+    seed{S}/{arm}/        a copy of sft/ that train.py resumes from step 0 with the arm's
+                          config; `run.json` records the command and its wall time
+
+Every arm of a seed starts from the same weights, tokenizer and step-0 eval. A run that
+was stopped resumes from its last checkpoint when the experiment command is repeated,
+and finished runs are not repeated, so the figures can be regenerated from the runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# arm name -> config spec (`{seed}` is filled in)
+ARMS = {
+    "baseline": "configs/default.py:baseline,seed={seed}",   # GRPO + rejection sampling
+    "ps_fixed": "configs/default.py:seed={seed}",            # Prefix Sampling, fixed ratios
+    "ps_adaptive": "configs/default.py:adaptive,seed={seed}",
+    "spo": "configs/default.py:spo,seed={seed}",
+}
+
+
+def _train(config: str, workdir: str, sets: Sequence[str], log_path: str) -> float:
+    cmd = [sys.executable, "train.py", "--config", config, "--workdir", workdir]
+    for s in sets:
+        cmd += ["--set", s]
+    t0 = time.perf_counter()
+    with open(log_path, "a") as log:
+        print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}; "
+                           f"see {log_path}")
+    return time.perf_counter() - t0
+
+
+def _record(workdir: str) -> dict | None:
+    path = os.path.join(workdir, "run.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def warm_start(root: str, seed: int, sets: Sequence[str] = ()) -> str:
+    """The seed's SFT warm start directory, made if missing."""
+    workdir = os.path.join(root, f"seed{seed}", "sft")
+    if _record(workdir) is None:
+        os.makedirs(workdir, exist_ok=True)
+        wall = _train(f"configs/default.py:seed={seed}", workdir,
+                      [*sets, "total_steps=0"], os.path.join(workdir, "log.txt"))
+        with open(os.path.join(workdir, "run.json"), "w") as f:
+            json.dump({"wall_s": wall, "sets": list(sets)}, f)
+    return workdir
+
+
+def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = ()) -> str:
+    """Runs (or resumes, or skips when finished) one arm of one seed; returns its workdir."""
+    workdir = os.path.join(root, f"seed{seed}", arm)
+    record = _record(workdir)
+    if record is not None and record.get("steps") == steps:
+        return workdir
+    sft = warm_start(root, seed, sets)
+    if not os.path.exists(workdir):
+        shutil.copytree(sft, workdir, ignore=shutil.ignore_patterns("run.json", "log.txt"))
+    wall = _train(ARMS[arm].format(seed=seed), workdir, [*sets, f"total_steps={steps}"],
+                  os.path.join(workdir, "log.txt"))
+    with open(os.path.join(workdir, "run.json"), "w") as f:
+        json.dump({"arm": arm, "seed": seed, "steps": steps, "wall_s": wall,
+                   "sft_wall_s": _record(sft)["wall_s"], "sets": list(sets),
+                   "resumed": record is not None}, f)
+    return workdir
+
+
+# ------------------------------------------------------------------ reading runs back
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def curve(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of one scalar; the last write of a step wins (a resumed run
+    repeats the steps after its last checkpoint)."""
+    by_step = {int(r["step"]): float(r[key]) for r in rows if key in r}
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def rl_curve(rows: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
+    """A curve restricted to RL steps (>= 1); SFT scalars share the step axis."""
+    steps, values = curve(rows, key)
+    keep = [i for i, s in enumerate(steps) if s >= 1]
+    return [steps[i] for i in keep], [values[i] for i in keep]
+
+
+def smooth(values: Sequence[float], window: int = 2) -> np.ndarray:
+    """Trailing mean over `window` points."""
+    v = np.asarray(values, float)
+    return np.array([v[max(0, i - window + 1):i + 1].mean() for i in range(len(v))])
+
+
+def steps_to_reach(steps: Sequence[int], values: Sequence[float], target: float) -> float:
+    """The first step whose value is >= target (inf when never)."""
+    for s, v in zip(steps, values, strict=True):
+        if v >= target - 1e-12:
+            return float(s)
+    return float("inf")
+
+
+def mean_curve(curves: Sequence[tuple[list[int], list[float]]]) -> tuple[list[int], np.ndarray,
+                                                                         np.ndarray]:
+    """Mean and std over seeds on the steps every seed has."""
+    common = sorted(set.intersection(*(set(s) for s, _ in curves))) if curves else []
+    table = np.array([[dict(zip(s, v, strict=True))[x] for x in common] for s, v in curves])
+    if not common:
+        return [], np.zeros(0), np.zeros(0)
+    return common, table.mean(0), table.std(0)
+
+
+def finite(x: float) -> float | None:
+    """JSON has no inf/nan: None stands for 'not reached' / 'not defined'."""
+    return float(x) if np.isfinite(x) else None
