@@ -278,6 +278,33 @@ def test_docker_killed_container_is_an_infrastructure_error(docker_sb):
     assert client.containers.list(all=True, filters={"id": container_id}) == []
 
 
+def test_docker_container_killed_mid_command_is_an_infrastructure_error(docker_image):
+    client, image = docker_image
+    for how in ("kill", "remove"):
+        sb = make_sandbox("docker", image=image, client=client, repo_files=FILES)
+        assert sb.run("kill -9 $$").exit_code == 137  # a command's own signal: a result
+        sleep = marker_sleep()
+
+        def kill_when_running(sb=sb, sleep=sleep, how=how):
+            deadline = time.monotonic() + 10
+            while not host_processes(sleep, exact=True) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            if how == "kill":
+                client.api.kill(sb.container_id)
+            else:
+                client.api.remove_container(sb.container_id, force=True)
+
+        killer = threading.Thread(target=kill_when_running)
+        killer.start()
+        try:
+            # The engine may report the exec's exit (137) before the container's.
+            with pytest.raises(SandboxError, match="stopped while|no longer exists"):
+                sb.run(sleep, timeout=60)
+        finally:
+            killer.join()
+            sb.close()
+
+
 def test_docker_repository_from_the_image(docker_image):
     client, image = docker_image
     with make_sandbox("docker", image=image, client=client, repo_files=FILES) as first:
@@ -375,6 +402,49 @@ def test_pool_cleans_up_after_exceptions_and_cancellation(backend, request):
         asyncio.run(main())
     assert len(seen) == 3
     assert leftovers(pool, client, seen, sleep) == ([], [], [])
+
+
+def test_pool_slot_stays_taken_until_a_cancelled_creation_is_closed():
+    gate = threading.Event()
+    events = []
+
+    def factory(spec):
+        events.append(f"create {spec}")
+        if spec == "a":
+            gate.wait(30)
+        sandbox = make_sandbox("local", repo_files=FILES)
+        close = sandbox.close
+
+        def recorded_close():
+            close()
+            events.append(f"closed {spec}")
+
+        sandbox.close = recorded_close
+        return sandbox
+
+    pool = SandboxPool(factory, max_concurrent=1)
+
+    async def use(spec):
+        async with pool.acquire(spec):
+            events.append(f"used {spec}")
+
+    async def main():
+        async with pool:
+            first = asyncio.create_task(use("a"))
+            while "create a" not in events:
+                await asyncio.sleep(0.01)
+            first.cancel()
+            second = asyncio.create_task(use("b"))
+            await asyncio.sleep(0.3)
+            assert "create b" not in events  # a's sandbox is still being made
+            gate.set()
+            await second
+            with pytest.raises(asyncio.CancelledError):
+                await first
+
+    asyncio.run(main())
+    assert events == ["create a", "closed a", "create b", "used b", "closed b"]
+    assert pool.peak == 1 and pool.live == 0
 
 
 def test_pool_retries_transient_creation_errors():

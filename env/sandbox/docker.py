@@ -21,7 +21,6 @@ import io
 import os
 import posixpath
 import select
-import shlex
 import struct
 import tarfile
 import time
@@ -49,6 +48,21 @@ RUN_WRAPPER = (
 GIT = "git -c safe.directory=* -c user.name=sandbox -c user.email=sandbox@localhost"
 GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 PATCH_FILE = "/tmp/.sandbox.patch"
+# $1 = workdir, $2 = base commit ("": HEAD), $3 = exclude lines, $4 = "1": create the workdir.
+# Exit 90: no workdir; 91: base commit given but no repository; 93: no such base commit.
+INIT_GIT = f"""
+[ -z "$4" ] || mkdir -p -- "$1" || exit 92
+cd -- "$1" || exit 90
+if ! {GIT} rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+  [ -z "$2" ] || exit 91
+  {GIT} init -q && {GIT} add -A && {GIT} commit -q --allow-empty --no-verify --no-gpg-sign \\
+    -m base || exit 92
+fi
+sha=$({GIT} rev-parse --verify "${{2:-HEAD}}^{{commit}}") || exit 93
+[ "$({GIT} rev-parse HEAD)" = "$sha" ] || {GIT} checkout -q -f "$sha" || exit 94
+printf %s "$3" >> "$({GIT} rev-parse --git-dir)/info/exclude" || exit 94
+echo "$sha"
+"""
 
 
 def docker_host() -> str:
@@ -160,47 +174,48 @@ class DockerSandbox(base.Sandbox):
         try:
             with docker_errors("starting the container"):
                 container.start()
-            if repo_files is not None:
-                self._sh(f"mkdir -p -- {shlex.quote(workdir)}", "creating the workdir", cwd="/")
-                self._put_files(workdir, {repo_relative(p): c.encode() for p, c in
-                                          repo_files.items()})
-            self.base_commit = self._init_git(base_commit)
+            if repo_files is not None:  # tar extraction creates the missing directories
+                root = workdir.strip("/")
+                self._put_files("/", {posixpath.join(root, repo_relative(p)): c.encode()
+                                      for p, c in repo_files.items()})
+            self.base_commit = self._init_git(base_commit, mkdir=repo_files is not None)
         except BaseException:
             self.close()
             raise
 
     # -- setup ------------------------------------------------------------------------
 
-    def _init_git(self, base_commit: str | None) -> str:
-        probe = self._exec(["bash", "-c", f"cd -- {shlex.quote(self.workdir)} && "
-                            f"{GIT} rev-parse --is-inside-work-tree"], 60, cwd="/")
-        if probe[0] != 0 and b"cd:" in probe[2]:
+    def _init_git(self, base_commit: str | None, mkdir: bool) -> str:
+        """Commits a workdir that is no git repository as the base, checks out the base
+        commit and ignores caches; one exec, since each costs the engine a process start."""
+        code, out, err = self._exec(["bash", "-c", INIT_GIT, "init", self.workdir,
+                                     base_commit or "", GIT_EXCLUDES, "1" if mkdir else ""],
+                                    120, cwd="/")
+        if code == 90:
             raise ValueError(f"{self.workdir} does not exist in the container")
-        if probe[0] != 0:
-            if base_commit is not None:
-                raise ValueError(f"base_commit given but {self.workdir} is not a git repository")
-            self._sh(f"{GIT} init -q && {GIT} add -A && {GIT} commit -q --allow-empty "
-                     "--no-verify --no-gpg-sign -m base", "committing the base tree")
-        base_ref = shlex.quote(f"{base_commit or 'HEAD'}^{{commit}}")
-        code, out, err = self._exec(["bash", "-c", f"{GIT} rev-parse --verify {base_ref}"], 60)
-        if code != 0:
+        if code == 91:
+            raise ValueError(f"base_commit given but {self.workdir} is not a git repository")
+        if code == 93:
             raise ValueError(f"base commit {base_commit!r} not found in {self.workdir}: "
                              f"{_text(err)}")
-        sha = _text(out)
-        exclude = f'"$({GIT} rev-parse --git-dir)/info/exclude"'
-        self._sh(f'[ "$({GIT} rev-parse HEAD)" = {sha} ] || {GIT} checkout -q -f {sha}; '
-                 f"printf %s {shlex.quote(GIT_EXCLUDES)} >> {exclude}",
-                 "checking out the base commit")
-        return sha
+        if code != 0:
+            raise base.SandboxError(f"setting up the repository failed (exit {code}): "
+                                    f"{_text(err)}")
+        return _text(out)
 
     # -- execution --------------------------------------------------------------------
 
     def _exec(self, argv: list[str], timeout: float, cap: int | None = None,
-              cwd: str | None = None) -> tuple[int, CappedOutput | bytearray, bytearray]:
+              cwd: str | None = None, confirm: bool = True,
+              ) -> tuple[int, CappedOutput | bytearray, bytearray]:
         """Runs argv in the container; returns (exit code, stdout, stderr).
 
         With a `cap`, stdout is a CappedOutput that stderr is interleaved into (the model
-        sees one stream) and the returned stderr is empty.
+        sees one stream) and the returned stderr is empty. A container killed or removed
+        from outside can still be listed as running when its exec ends with an ordinary
+        looking code: 137 (killed with it) or 126 (could not start in it). With `confirm`,
+        such a code (a signal exit, 126, 127) is only returned once a probe exec shows the
+        container alive; otherwise SandboxError: a killed container is no task outcome.
         """
         if self.container_id is None:
             raise base.SandboxError("sandbox is closed")
@@ -226,7 +241,19 @@ class DockerSandbox(base.Sandbox):
                 info = api.exec_inspect(exec_id)
         if info["Running"] or info["ExitCode"] is None:
             raise base.SandboxError(f"no exit code for {argv[0]!r} in the container")
-        return info["ExitCode"], out, err
+        code = info["ExitCode"]
+        if confirm and (code < 0 or code >= 126) and not self._alive():
+            raise base.SandboxError(f"the container stopped while {argv[0]!r} ran "
+                                    f"(exit {code})")
+        return code, out, err
+
+    def _alive(self) -> bool:
+        """Whether a new exec runs in the container; none starts once its PID 1 is gone,
+        even while the engine still lists it as running."""
+        try:
+            return self._exec(["true"], 10, cwd="/", confirm=False)[0] == 0
+        except base.SandboxError:
+            return False
 
     def _sh(self, script: str, what: str, cwd: str | None = None) -> bytes:
         code, out, err = self._exec(["bash", "-c", script], 120, cwd=cwd)

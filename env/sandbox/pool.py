@@ -100,19 +100,46 @@ class SandboxPool:
 
     @contextlib.asynccontextmanager
     async def acquire(self, spec: Any = None) -> AsyncIterator[Sandbox]:
-        """Yields a fresh sandbox for `spec`; closes it when the block ends."""
-        async with self._slots:
+        """Yields a fresh sandbox for `spec`; closes it when the block ends.
+
+        The slot stays taken until the sandbox is closed, also when the task is cancelled
+        while the sandbox is being made or closed (it is then closed in the background):
+        never more than `max_concurrent` sandboxes are alive.
+        """
+        await self._slots.acquire()
+        loop = asyncio.get_running_loop()
+        try:
             created = self._executor.submit(self._create, spec)
+        except BaseException:
+            self._slots.release()
+            raise
+        try:
+            sandbox = await asyncio.wrap_future(created)
+        except BaseException:  # cancelled, or the creation failed
+            created.add_done_callback(
+                functools.partial(self._free_slot, loop, self._discard_result))
+            raise
+        try:
+            yield sandbox
+        finally:
+            closing = self._executor.submit(self._discard, sandbox)
             try:
-                sandbox = await asyncio.wrap_future(created)
-            except asyncio.CancelledError:
-                created.add_done_callback(self._discard_result)
+                await asyncio.shield(asyncio.wrap_future(closing))
+            except BaseException:  # cancelled again while closing: free the slot after
+                closing.add_done_callback(functools.partial(self._free_slot, loop, None))
                 raise
-            try:
-                yield sandbox
-            finally:
-                await asyncio.shield(asyncio.wrap_future(
-                    self._executor.submit(self._discard, sandbox)))
+            self._slots.release()
+
+    def _free_slot(self, loop: asyncio.AbstractEventLoop,
+                   cleanup: Callable[[concurrent.futures.Future], None] | None,
+                   done: concurrent.futures.Future) -> None:
+        """Done-callback (any thread): runs `cleanup(done)`, then releases a slot."""
+        try:
+            if cleanup is not None:
+                cleanup(done)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: no one waits
+                loop.call_soon_threadsafe(self._slots.release)
 
     def _discard_result(self, created: concurrent.futures.Future) -> None:
         if not created.cancelled() and created.exception() is None:
