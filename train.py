@@ -264,10 +264,10 @@ async def warm_start(config, agent: Agent, train_tasks, graphdef, state, mesh,
              sum(d.reward == 1 for d in demos), sum(len(d.token_arrays()[0]) for d in demos),
              time.perf_counter() - t0)
     t0 = time.perf_counter()
-    sft_cfg = setup.sft_learner_config(config)
-    _, sft_state = learner.init_train_state(nnx.merge(graphdef, state.params), sft_cfg, mesh)
     epochs = max(1, round(config.sft.steps * config.sft.batch_size / len(demos)))
     total = epochs * -(-len(demos) // config.sft.batch_size)
+    sft_cfg = setup.sft_learner_config(config, total)
+    _, sft_state = learner.init_train_state(nnx.merge(graphdef, state.params), sft_cfg, mesh)
     with setup.progress(total, "SFT") as bar:
         def on_metrics(step, m):
             bar.update(1)

@@ -72,10 +72,9 @@ def get_config(arg=None):
     # Short rows: attention cost grows with the row length, not the segment length.
     c.learner.row_buckets = (512, 1024)
 
-    # 512 different tasks, ~4 epochs: fewer epochs over more tasks generalise better to
-    # the held-out ones.
-    c.sft = dict(steps=130, batch_size=16, lr=3e-3, warmup_steps=10, num_demos=512,
-                 imperfect_share=0.3)
+    # 512 different tasks, ~4 epochs; the lr decays (cosine) to 0 over the SFT steps.
+    c.sft = dict(steps=130, batch_size=16, lr=3e-3, warmup_steps=10, end_lr_frac=0.0,
+                 num_demos=512, imperfect_share=0.3)
 
     c.eval_every = 4
     c.eval_temperature = 0.0  # greedy held-out evaluation

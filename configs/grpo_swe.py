@@ -67,7 +67,7 @@ def get_config(arg=None):
     c.learner.loss.kl, c.learner.loss.kl_coef = "none", 0.0
     c.learner.row_buckets = (16384, 32768, 65536)
 
-    c.sft = dict(steps=0, batch_size=0, lr=0.0, warmup_steps=0, num_demos=0,
+    c.sft = dict(steps=0, batch_size=0, lr=0.0, warmup_steps=0, end_lr_frac=0.0, num_demos=0,
                  imperfect_share=0.0)
 
     c.eval_every = 10

@@ -252,10 +252,16 @@ async def demonstrations(config, agent: Agent, train: Sequence[Task]) -> list[Tr
     return [d for d in demos if not d.is_env_error and d.num_generated_tokens]
 
 
-def sft_learner_config(config):
+def sft_learner_config(config, total_steps: int):
+    """The learner config for SFT: its own lr and warmup, then a cosine decay to
+    `sft.end_lr_frac` of the lr at the last of `total_steps` updates (a constant lr leaves
+    the final weights wherever the last noisy steps put them)."""
     cfg = config.learner.copy_and_resolve_references()
     cfg.optim.lr = config.sft.lr
     cfg.optim.warmup_steps = config.sft.warmup_steps
+    cfg.optim.schedule = "cosine"
+    cfg.optim.decay_steps = max(1, total_steps - config.sft.warmup_steps)
+    cfg.optim.end_lr_frac = config.sft.end_lr_frac
     return cfg
 
 
