@@ -475,8 +475,13 @@ def test_pool_closes_everything_on_signals(backend, signum, request, tmp_path):
         _, _ = request.getfixturevalue("docker_image")
     sleep = marker_sleep()
     script = tmp_path / "episode.py"
+    # The child resets SIGINT and SIGTERM as a foreground process has them: a signal ignored
+    # at exec stays ignored (Python then installs no KeyboardInterrupt handler), and a
+    # non-interactive shell starts background jobs (`nohup pytest &`) with SIGINT ignored.
     script.write_text(textwrap.dedent(f"""\
-        import asyncio, sys
+        import asyncio, signal, sys
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         from env.sandbox.pool import make_pool
         pool = make_pool({backend!r}, 2, {args})
 
@@ -490,8 +495,14 @@ def test_pool_closes_everything_on_signals(backend, signum, request, tmp_path):
 
         asyncio.run(main())
         """))
-    proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    # Start it with both ignored, as under `nohup pytest &`, whatever runs this test.
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        proc = subprocess.Popen([sys.executable, str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                                text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     lines = [proc.stdout.readline().split() for _ in range(2)]
     deadline = time.monotonic() + 15
     while len(host_processes(sleep, exact=True)) < 2 and time.monotonic() < deadline:

@@ -12,7 +12,9 @@ all and runs `on_close` (for docker: remove any container labelled with this poo
 id, covering one whose creation was cut short). All pools are also closed at
 interpreter exit and on SIGTERM (then the process exits with 128 + 15, or the previous
 handler runs); Ctrl-C cancels `asyncio.run`'s tasks, whose `acquire` blocks close
-their sandboxes.
+their sandboxes. A signal the process started with ignored stays ignored: under
+`nohup cmd &` from a script SIGINT is ignored (Python raises no KeyboardInterrupt), so
+stop such a process with SIGTERM.
 """
 
 from __future__ import annotations
