@@ -57,6 +57,11 @@ def get_config(arg=None):
     c.group_size = 8  # rollouts per task (grpo)
 
     c.ps = common.prefix_defaults(enabled=not arg.baseline, adaptive=arg.adaptive)
+    # Mini-SWE trajectories are 4-6 tool calls, the fix being one of them. The seed's
+    # remaining_ratio 0.25 (for ~50-step SWE runs) would replay all but the last call
+    # here, and every prefix task passed 8/8 (a rejected group, no signal); 0.75 keeps
+    # the fix in the part the policy writes.
+    c.ps.remaining_ratio = 0.75
     c.spo = common.spo_defaults()
 
     c.learner = learner.default_config()
