@@ -18,13 +18,14 @@ COLORS = {"baseline": "tab:gray", "ps_fixed": "tab:blue", "ps_adaptive": "tab:or
 def band_plot(path: str, title: str, xlabel: str, ylabel: str,
               series: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float]]],
               hline: float | None = None, hband: float | None = None) -> str:
-    """One line per arm: (x, mean, std) drawn as mean with a +-std band over seeds."""
+    """One line per arm: (x, mean, std) drawn as mean with a +-std band over seeds. The
+    arm's colour is looked up by the first word of its label."""
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
     for name, (x, mean, std) in series.items():
         if len(x) == 0:
             continue
         x, mean, std = np.asarray(x, float), np.asarray(mean, float), np.asarray(std, float)
-        color = COLORS.get(name)
+        color = COLORS.get(name.split(" ")[0])
         ax.plot(x, mean, marker="o", ms=3, label=name, color=color)
         ax.fill_between(x, mean - std, mean + std, alpha=0.2, color=color)
     if hline is not None:

@@ -104,7 +104,8 @@ def figures(curves: dict, out: str) -> list[str]:
             pairs = [(c[name]["steps"], c[name]["values"]) for c in by_seed.values()
                      if c[name]["steps"]]
             if pairs:
-                res[arm] = ex.mean_curve(pairs)
+                res[f"{arm} ({len(pairs)} seed{'s' if len(pairs) > 1 else ''})"] = (
+                    ex.mean_curve(pairs))
         return res
 
     return [
@@ -114,7 +115,8 @@ def figures(curves: dict, out: str) -> list[str]:
                   "RL step", "solve_partial", series("solve_partial")),
         band_plot(os.path.join(out, "ps_prefix_pass_rate.png"), "Prefix-task pass rate",
                   "RL step", "pass rate", {k: v for k, v in series("prefix_pass_rate").items()
-                                           if k != "baseline"}, hline=0.5, hband=0.05),
+                                           if not k.startswith("baseline")},
+                  hline=0.5, hband=0.05),
         band_plot(os.path.join(out, "ps_step_time.png"), "Step wall time", "RL step", "seconds",
                   series("step_time_s")),
         band_plot(os.path.join(out, "ps_entropy.png"), "Policy entropy (trained tokens)",

@@ -84,7 +84,8 @@ def main(argv=None) -> None:
             if by_seed:
                 xs = np.array([c[x_key] for c in by_seed.values()], float).mean(0)
                 ev = np.array([c["eval"] for c in by_seed.values()])
-                res[name] = (xs, ev.mean(0), ev.std(0))
+                label = f"{name} ({len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})"
+                res[label] = (xs, ev.mean(0), ev.std(0))
         return res
 
     os.makedirs(args.out, exist_ok=True)
