@@ -210,7 +210,7 @@ async def run(config, workdir: str) -> None:
             metrics["rollout/generated_tokens_per_s"] = gen / max(metrics["time/rollout_s"], 1e-9)
             # -- eval, metrics, checkpoint
             if step % config.eval_every == 0 or step == config.total_steps:
-                metrics.update(await evaluate(config, agent, eval_tasks, writer, step, workdir))
+                metrics.update(await evaluate(config, agent, eval_tasks, None, step, workdir))
             writer.write_scalars(step, metrics)
             writer.write_histograms(step, setup.histograms(groups))
             if step % config.log_texts_every == 0 and trajs:
@@ -236,9 +236,10 @@ def _job_seed(step: int, index: int) -> int:
     return step * 100_003 + index
 
 
-async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter, step: int,
-                   workdir: str) -> dict[str, float]:
-    """Held-out pass rate: one rollout per task at the eval temperature."""
+async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter | None,
+                   step: int, workdir: str) -> dict[str, float]:
+    """Held-out pass rate: one rollout per task at the eval temperature. Written by
+    `writer` if given (else the caller writes the returned scalars with its own)."""
     eval_agent = agent.with_sampling(temperature=config.eval_temperature)
     jobs = [RolloutJob(t, seed=i) for i, t in enumerate(tasks)]
     with setup.progress(len(jobs), f"eval @ {step}") as bar:
@@ -246,7 +247,8 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
     scored = [g[0].reward for g in groups if not g[0].is_env_error]
     out = {"eval/pass_rate": float(np.mean(scored)) if scored else float("nan"),
            "eval/env_errors": float(len(groups) - len(scored))}
-    writer.write_scalars(step, out)
+    if writer is not None:
+        writer.write_scalars(step, out)
     with open(os.path.join(workdir, f"eval_{step}.json"), "w") as f:
         json.dump({"step": step, **out, "rewards": {g[0].task_id: g[0].reward for g in groups}},
                   f)

@@ -97,6 +97,9 @@ def test_smoke_run_resumes_after_kill(tmp_path):
     assert "step    2" in resumed.stdout and "step    1 " not in resumed.stdout
     assert os.path.isdir(os.path.join(workdir, "ckpt", "2"))
     assert glob.glob(os.path.join(workdir, "tb", "events.out.tfevents.*"))
+    # One held-out eval scalar per eval step (0, and 2 = eval_every = the last step).
+    evals = [m["step"] for m in _steps(workdir) if "eval/pass_rate" in m]
+    assert evals == [0, 2], evals
 
 
 def test_spo_smoke_run_trains_with_the_tracker(tmp_path):
