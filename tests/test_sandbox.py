@@ -518,3 +518,27 @@ def test_pool_closes_everything_on_signals(backend, signum, request, tmp_path):
         assert client.containers.list(all=True, filters={"label": f"{POOL_LABEL}={pool_id}"}) == []
     else:
         assert not any(os.path.exists(line[1]) for line in lines)
+
+
+def test_docker_frames_already_buffered_with_the_headers_are_kept():
+    """docker-py hands out the raw socket of an exec; output that arrived with the HTTP
+    headers sits in the client's buffer. _read_frames must parse those bytes first (they
+    were lost before: empty `cat` output under load)."""
+    import socket
+    import struct
+
+    from env.sandbox.docker import _read_frames
+
+    def frame(stream, data):
+        return struct.pack(">BxxxL", stream, len(data)) + data
+
+    a, b = socket.socketpair()
+    try:
+        b.sendall(frame(1, b"world\n"))
+        b.close()  # EOF after the one frame still on the socket
+        out, err = bytearray(), bytearray()
+        initial = frame(1, b"hello ") + frame(2, b"warn\n")
+        assert _read_frames(a, out, err, time.monotonic() + 5, initial)
+        assert bytes(out) == b"hello world\n" and bytes(err) == b"warn\n"
+    finally:
+        a.close()

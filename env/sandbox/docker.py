@@ -228,7 +228,8 @@ class DockerSandbox(base.Sandbox):
             sock = api.exec_start(exec_id, socket=True)
             try:
                 deadline = time.monotonic() + timeout + HOST_GRACE_S
-                if not _read_frames(sock, out, out if cap is not None else err, deadline):
+                if not _read_frames(sock, out, out if cap is not None else err, deadline,
+                                    _read_ahead(sock)):
                     raise base.SandboxError(f"the container did not finish a {timeout:.0f}s "
                                             f"command within {HOST_GRACE_S:.0f}s of grace")
             finally:
@@ -339,16 +340,46 @@ def _text(data: bytes | bytearray) -> str:
     return bytes(data).decode("utf-8", errors="replace").strip()
 
 
-def _read_frames(sock, out, err, deadline: float) -> bool:
-    """Demultiplexes docker's attach stream (8-byte headers: stream id, length) until EOF.
+def _read_ahead(sock) -> bytes:
+    """Stream bytes the HTTP client already buffered while reading the response headers.
+
+    docker-py hands out the raw socket under a buffered reader; a fast command's output
+    can arrive with the headers and sit in that buffer, lost to reads of the socket
+    (docker-py issue 3332: empty exec output under load). Takes them out of the buffer
+    without blocking.
+    """
+    fp = getattr(getattr(getattr(getattr(sock, "_response", None), "raw", None), "_fp", None),
+                 "fp", None)
+    raw = getattr(sock, "_sock", None)
+    if fp is None or raw is None or not hasattr(fp, "peek"):
+        return b""
+    raw.setblocking(False)
+    try:
+        data = fp.peek()  # the buffer, or one non-blocking read when it is empty
+    except OSError:
+        data = b""
+    finally:
+        raw.setblocking(True)
+    return fp.read(len(data)) if data else b""
+
+
+def _read_frames(sock, out, err, deadline: float, initial: bytes = b"") -> bool:
+    """Demultiplexes docker's attach stream (8-byte headers: stream id, length) until EOF,
+    starting with `initial` bytes already taken from it.
 
     Returns False when `deadline` passes first.
     """
     raw = getattr(sock, "_sock", sock)
-    buf = bytearray()
+    buf = bytearray(initial)
     sinks = {1: out.add if isinstance(out, CappedOutput) else out.extend,
              2: err.add if isinstance(err, CappedOutput) else err.extend}
     while True:
+        while len(buf) >= 8:
+            stream, size = struct.unpack(">BxxxL", buf[:8])
+            if len(buf) < 8 + size:
+                break
+            sinks.get(stream, sinks[1])(bytes(buf[8 : 8 + size]))
+            del buf[: 8 + size]
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             return False
@@ -359,9 +390,3 @@ def _read_frames(sock, out, err, deadline: float) -> bool:
         if not chunk:
             return True
         buf += chunk
-        while len(buf) >= 8:
-            stream, size = struct.unpack(">BxxxL", buf[:8])
-            if len(buf) < 8 + size:
-                break
-            sinks.get(stream, sinks[1])(bytes(buf[8 : 8 + size]))
-            del buf[: 8 + size]
