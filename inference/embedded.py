@@ -91,8 +91,6 @@ class PrefixCache:
     def __init__(self, max_tokens: int):
         self.max_tokens = int(max_tokens)
         self.tokens = 0
-        self.hits = 0
-        self.hit_tokens = 0
         self._entries: dict[tuple[int, int], _Cached] = {}  # insertion order = LRU order
         self._lengths: dict[int, int] = {}  # length -> number of entries of that length
 
@@ -113,8 +111,6 @@ class PrefixCache:
             entry = self._entries.get(key)
             if entry is not None and entry.ids == ids[:n]:
                 self._entries[key] = self._entries.pop(key)  # most recently used
-                self.hits += 1
-                self.hit_tokens += n
                 return entry
         return None
 
@@ -253,6 +249,16 @@ def _split(model) -> tuple[Any, Any]:
     if isinstance(model, tuple):
         return model
     return nnx.split(model, nnx.Param)
+
+
+# Constructor options a config's `engine` section may set (absent ones keep the defaults).
+CONFIG_OPTIONS = ("max_batch", "max_len", "min_batch", "min_len", "min_cache_len",
+                  "prefix_cache_tokens")
+
+
+def options_from_config(engine_cfg) -> dict[str, int]:
+    """EmbeddedEngine keyword options from a config's `engine` section."""
+    return {k: int(engine_cfg[k]) for k in CONFIG_OPTIONS if k in engine_cfg}
 
 
 class EmbeddedEngine(Engine):

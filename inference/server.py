@@ -259,24 +259,22 @@ class Server:
 
 def engine_from_config(config) -> tuple[Engine, str | None]:
     """An EmbeddedEngine from a training config: `model.hf_path` or else a
-    `model.preset` initialised from `seed`, and `engine.max_batch` / `engine.max_len`."""
+    `model.preset` initialised from `seed`, with the options of `config.engine`
+    (`inference.embedded.options_from_config`, as train.py builds it)."""
+    from inference.embedded import options_from_config
+
     model_cfg = config.model
-    engine_cfg = config.get("engine") or {}
     return build_engine(hf_dir=model_cfg.get("hf_path") or None,
                         preset=model_cfg.get("preset") or None,
-                        seed=int(config.get("seed", 0)),
-                        max_batch=int(engine_cfg.get("max_batch", 32)),
-                        max_len=int(engine_cfg.get("max_len", 2048)),
-                        prefix_cache_tokens=int(engine_cfg.get("prefix_cache_tokens", 0)),
-                        overrides=dict(model_cfg))
+                        seed=int(config.get("seed", 0)), overrides=dict(model_cfg),
+                        **options_from_config(config.get("engine") or {}))
 
 
-def build_engine(hf_dir: str | None, preset: str | None, seed: int, max_batch: int,
-                 max_len: int, min_batch: int = 1, min_len: int = 16,
-                 prefix_cache_tokens: int = 0,
-                 overrides: dict[str, Any] | None = None) -> tuple[Engine, str | None]:
+def build_engine(hf_dir: str | None, preset: str | None, seed: int,
+                 overrides: dict[str, Any] | None = None,
+                 **options: int) -> tuple[Engine, str | None]:
     """An EmbeddedEngine over an HF directory or a randomly initialised preset (with the
-    Qwen3Config fields found in `overrides`)."""
+    Qwen3Config fields found in `overrides`); `options` go to EmbeddedEngine."""
     import dataclasses
 
     from flax import nnx
@@ -295,8 +293,7 @@ def build_engine(hf_dir: str | None, preset: str | None, seed: int, max_batch: i
         model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
     else:
         raise ValueError("give --model-path, --preset or --config")
-    engine = EmbeddedEngine(model, max_batch=max_batch, max_len=max_len, min_batch=min_batch,
-                            min_len=min_len, seed=seed, prefix_cache_tokens=prefix_cache_tokens)
+    engine = EmbeddedEngine(model, seed=seed, **options)
     return engine, hf_dir
 
 
@@ -322,9 +319,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         engine, model_path = engine_from_config(load_config(args.config))
     else:
-        engine, model_path = build_engine(args.model_path, args.preset, args.seed,
-                                          args.max_batch, args.max_len, args.min_batch,
-                                          args.min_len, args.prefix_cache_tokens)
+        engine, model_path = build_engine(
+            args.model_path, args.preset, args.seed, max_batch=args.max_batch,
+            max_len=args.max_len, min_batch=args.min_batch, min_len=args.min_len,
+            prefix_cache_tokens=args.prefix_cache_tokens)
     server = Server(engine, model_path=model_path)
     log.info("serving on http://%s:%d", args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None,

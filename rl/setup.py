@@ -149,14 +149,10 @@ def engine_params(params):
 def engine(config, graphdef, params, workdir: str, model_cfg: qwen3.Qwen3Config):
     """The embedded JAX sampler, or a client of SGLang servers (launched if asked)."""
     if config.engine.kind == "embedded":
-        from inference.embedded import EmbeddedEngine
+        from inference.embedded import EmbeddedEngine, options_from_config
 
-        return EmbeddedEngine((graphdef, engine_params(params)),
-                              max_batch=config.engine.max_batch, max_len=config.engine.max_len,
-                              seed=config.seed, min_batch=config.engine.get("min_batch", 1),
-                              min_len=config.engine.get("min_len", 16),
-                              min_cache_len=config.engine.get("min_cache_len", 1),
-                              prefix_cache_tokens=config.engine.get("prefix_cache_tokens", 0))
+        return EmbeddedEngine((graphdef, engine_params(params)), seed=config.seed,
+                              **options_from_config(config.engine))
     if config.engine.kind == "sglang":
         from inference import sglang
 
