@@ -32,6 +32,7 @@ rollout is "unscored" and dropped.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -39,6 +40,8 @@ from typing import Any, Literal
 import numpy as np
 
 from rl.types import PrefixInfo, Trajectory, Turn
+
+log = logging.getLogger(__name__)
 
 Kind = Literal["too_hard", "too_easy"]
 KINDS: tuple[str, ...] = ("too_hard", "too_easy")
@@ -414,7 +417,15 @@ class AdaptiveController:
                 "cooling": dict(self.cooling), "observations": dict(self.observations)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.ratios = {k: float(state["ratios"][k]) for k in KINDS}
+        """Restores the EMAs and cooldowns; the ratios too when adaptive (they are the
+        controller's state then). Fixed ratios are configuration: the constructed ones
+        win over a checkpoint's, so a resumed run honours an edited config."""
+        saved = {k: float(state["ratios"][k]) for k in KINDS}
+        if self.adaptive:
+            self.ratios = saved
+        elif saved != self.ratios:
+            log.warning("prefix ratios: using the configured %s, not the checkpoint's %s "
+                        "(adaptive is off)", self.ratios, saved)
         self.emas = {k: None if state["emas"][k] is None else float(state["emas"][k])
                      for k in KINDS}
         self.cooling = {k: int(state["cooling"][k]) for k in KINDS}

@@ -283,3 +283,18 @@ def test_controller_state_round_trip_exact():
         c.update({"too_hard": rate, "too_easy": rate})
         c2.update({"too_hard": rate, "too_easy": rate})
     assert c2.state_dict() == c.state_dict()
+
+
+def test_fixed_ratios_come_from_the_config_on_resume(caplog):
+    old = AdaptiveController(remaining_ratio=0.25, prefix_ratio=0.25)
+    old.update({"too_hard": 1.0, "too_easy": None})
+    state = json.loads(json.dumps(old.state_dict()))
+    fixed = AdaptiveController(remaining_ratio=0.75, prefix_ratio=0.25)
+    with caplog.at_level("WARNING", logger="rl.prefix"):
+        fixed.load_state_dict(state)
+    assert fixed.ratio("too_hard") == 0.75 and fixed.ratio("too_easy") == 0.25
+    assert fixed.ema("too_hard") == old.ema("too_hard")      # the EMA is still state
+    assert "configured" in caplog.text
+    adaptive = AdaptiveController(remaining_ratio=0.75, adaptive=True)
+    adaptive.load_state_dict(state)
+    assert adaptive.ratio("too_hard") == 0.25                # the controller's own state
