@@ -417,15 +417,16 @@ class AdaptiveController:
                 "cooling": dict(self.cooling), "observations": dict(self.observations)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores the EMAs and cooldowns; the ratios too when adaptive (they are the
-        controller's state then). Fixed ratios are configuration: the constructed ones
-        win over a checkpoint's, so a resumed run honours an edited config."""
+        """Restores the EMAs and cooldowns, and the ratios once an adaptive controller has
+        observed something (they are learned state then). Otherwise the ratios are
+        configuration and the constructed ones win, so a resumed run honours an edited
+        config (e.g. arms resumed from a shared warm-start checkpoint)."""
         saved = {k: float(state["ratios"][k]) for k in KINDS}
-        if self.adaptive:
+        if self.adaptive and any(int(n) for n in state["observations"].values()):
             self.ratios = saved
         elif saved != self.ratios:
-            log.warning("prefix ratios: using the configured %s, not the checkpoint's %s "
-                        "(adaptive is off)", self.ratios, saved)
+            log.warning("prefix ratios: using the configured %s, not the checkpoint's %s",
+                        self.ratios, saved)
         self.emas = {k: None if state["emas"][k] is None else float(state["emas"][k])
                      for k in KINDS}
         self.cooling = {k: int(state["cooling"][k]) for k in KINDS}

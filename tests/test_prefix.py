@@ -297,4 +297,8 @@ def test_fixed_ratios_come_from_the_config_on_resume(caplog):
     assert "configured" in caplog.text
     adaptive = AdaptiveController(remaining_ratio=0.75, adaptive=True)
     adaptive.load_state_dict(state)
-    assert adaptive.ratio("too_hard") == 0.25                # the controller's own state
+    assert adaptive.ratio("too_hard") == 0.25                # learned: the controller's own
+    untouched = AdaptiveController(remaining_ratio=0.25).state_dict()   # e.g. a warm start's
+    adaptive = AdaptiveController(remaining_ratio=0.75, adaptive=True)
+    adaptive.load_state_dict(untouched)
+    assert adaptive.ratio("too_hard") == 0.75
