@@ -45,6 +45,9 @@ def main(argv=None) -> None:
     p.add_argument("--workdir", default="runs/default")
     p.add_argument("--dry_run", action="store_true",
                    help="build everything except remote services and exit")
+    p.add_argument("--eval_only", action="store_true",
+                   help="evaluate the workdir's latest checkpoint on the config's held-out "
+                        "tasks, write eval_only_{step}_{n}tasks.json there, and exit")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set learner.optim.lr=1e-4 (repeatable; "
                         "values are Python literals, else strings)")
@@ -61,15 +64,18 @@ def main(argv=None) -> None:
         print(json.dumps(setup.dry_run(config), indent=1))
         return
     workdir = os.path.abspath(args.workdir)
+    if args.eval_only and not os.path.isdir(os.path.join(workdir, "ckpt")):
+        p.error(f"--eval_only: no checkpoints under {workdir}")
     os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=1))
-    asyncio.run(run(config, workdir))
+    if not args.eval_only:  # (an evaluation leaves the run's own config in place)
+        with open(os.path.join(workdir, "config.json"), "w") as f:
+            f.write(config.to_json_best_effort(indent=1))
+    asyncio.run(run(config, workdir, eval_only=args.eval_only))
 
 
-async def run(config, workdir: str) -> None:
+async def run(config, workdir: str, eval_only: bool = False) -> None:
     """Everything after the config, on one event loop (engine batching, sandbox slots
-    and in-flight rollouts all live on it)."""
+    and in-flight rollouts all live on it). eval_only: evaluate the latest checkpoint."""
     # ------------------------------------------------------------------ mesh
     mesh = sharding.make_mesh(**config.mesh)
 
@@ -120,8 +126,16 @@ async def run(config, workdir: str) -> None:
                 "np_rng": np_rng.bit_generator.state}
 
     # ------------------------------------------------------------------ resume or warm start
-    writer = MetricWriter(workdir)
     ckpt = Checkpointer(workdir, keep=config.ckpt_keep)
+    if eval_only:
+        try:
+            await evaluate_checkpoint(config, ckpt, graphdef, state, mesh, engine, agent,
+                                      eval_tasks, workdir)
+        finally:
+            ckpt.close()
+            engine.close()
+        return
+    writer = MetricWriter(workdir)
     first_step = 0
     if ckpt.latest_step() is not None:
         _, abstract = learner.abstract_train_state(nnx.merge(graphdef, state.params),
@@ -237,9 +251,10 @@ def _job_seed(step: int, index: int) -> int:
 
 
 async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter | None,
-                   step: int, workdir: str) -> dict[str, float]:
-    """Held-out pass rate: one rollout per task at the eval temperature. Written by
-    `writer` if given (else the caller writes the returned scalars with its own)."""
+                   step: int, workdir: str, name: str | None = None) -> dict[str, float]:
+    """Held-out pass rate: one rollout per task at the eval temperature, saved with each
+    task's reward as `{name}.json` (default eval_{step}). Written by `writer` if given
+    (else the caller writes the returned scalars with its own)."""
     eval_agent = agent.with_sampling(temperature=config.eval_temperature)
     jobs = [RolloutJob(t, seed=i) for i, t in enumerate(tasks)]
     with setup.progress(len(jobs), f"eval @ {step}") as bar:
@@ -249,12 +264,27 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
            "eval/env_errors": float(len(groups) - len(scored))}
     if writer is not None:
         writer.write_scalars(step, out)
-    with open(os.path.join(workdir, f"eval_{step}.json"), "w") as f:
+    with open(os.path.join(workdir, f"{name or f'eval_{step}'}.json"), "w") as f:
         json.dump({"step": step, **out, "rewards": {g[0].task_id: g[0].reward for g in groups}},
                   f)
     log.info("eval @ step %d: pass rate %.3f over %d tasks", step, out["eval/pass_rate"],
              len(scored))
     return out
+
+
+async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh, engine,
+                              agent: Agent, tasks: list[Task], workdir: str) -> None:
+    """--eval_only: the latest checkpoint's weights on `tasks` (e.g. a larger held-out set
+    than the run's, via --set env.eval_tasks=N)."""
+    step = ckpt.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"--eval_only: no checkpoint in {ckpt.directory}")
+    _, abstract = learner.abstract_train_state(nnx.merge(graphdef, state.params),
+                                               config.learner, mesh)
+    state, _ = ckpt.restore(step, abstract)
+    await engine.update_weights(setup.engine_params(state.params))
+    await evaluate(config, agent, tasks, None, step, workdir,
+                   name=f"eval_only_{step}_{len(tasks)}tasks")
 
 
 async def warm_start(config, agent: Agent, train_tasks, graphdef, state, mesh,

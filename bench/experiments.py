@@ -87,6 +87,56 @@ def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = ()
     return workdir
 
 
+def final_eval(root: str, seed: int, arm: str, eval_tasks: int) -> dict:
+    """The last checkpoint of `arm` ("sft" for the warm start) evaluated on a held-out set
+    generated with env.eval_tasks=`eval_tasks` (train.py --eval_only), larger than the
+    one the runs evaluate on along the way; cached in the workdir."""
+    workdir = os.path.join(root, f"seed{seed}", arm)
+    path = os.path.join(workdir, f"final_eval_{eval_tasks}.json")
+    if not os.path.exists(path):
+        spec = ARMS[arm].format(seed=seed) if arm in ARMS else f"configs/default.py:seed={seed}"
+        t0 = time.time()
+        cmd = [sys.executable, "train.py", "--config", spec, "--workdir", workdir, "--eval_only",
+               "--set", f"env.eval_tasks={eval_tasks}"]
+        with open(os.path.join(workdir, "log.txt"), "a") as log:
+            print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
+            subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
+        name = max((n for n in os.listdir(workdir) if n.startswith("eval_only_")
+                    and os.path.getmtime(os.path.join(workdir, n)) >= t0 - 1),
+                   key=lambda n: os.path.getmtime(os.path.join(workdir, n)))
+        with open(os.path.join(workdir, name)) as f:
+            ev = json.load(f)
+        with open(path, "w") as f:
+            json.dump({"eval_tasks": eval_tasks, "file": name, **ev}, f)
+    with open(path) as f:
+        ev = json.load(f)
+    return {"step": ev["step"], "tasks": len(ev["rewards"]), "pass_rate": ev["eval/pass_rate"]}
+
+
+def final_evals(root: str, seeds: Sequence[int], arms: Sequence[str], eval_tasks: int,
+                run: bool = True) -> dict:
+    """`final_eval` of the warm start and of every finished arm, per seed, with means and
+    each arm's mean gain over the warm start. run=False reads cached results only."""
+    out: dict = {"eval_tasks_setting": eval_tasks}
+    for arm in ["sft", *arms]:
+        per_seed = {}
+        for seed in seeds:
+            workdir = os.path.join(root, f"seed{seed}", arm)
+            cached = os.path.exists(os.path.join(workdir, f"final_eval_{eval_tasks}.json"))
+            if os.path.exists(os.path.join(workdir, "run.json")) and (run or cached):
+                per_seed[str(seed)] = final_eval(root, seed, arm, eval_tasks)
+        if per_seed:
+            out["tasks"] = next(iter(per_seed.values()))["tasks"]
+            rates = {s: r["pass_rate"] for s, r in per_seed.items()}
+            out[arm] = {"pass_rate": rates, "mean": float(np.mean(list(rates.values())))}
+    for arm in arms:
+        if arm in out and "sft" in out:
+            gains = [r - out["sft"]["pass_rate"][s] for s, r in out[arm]["pass_rate"].items()
+                     if s in out["sft"]["pass_rate"]]
+            out[arm]["gain_over_sft_mean"] = float(np.mean(gains)) if gains else None
+    return out
+
+
 # ------------------------------------------------------------------ reading runs back
 
 

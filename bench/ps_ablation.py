@@ -134,6 +134,9 @@ def main(argv=None) -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every run (train.py --set)")
     p.add_argument("--no_run", action="store_true", help="only read finished runs back")
+    p.add_argument("--final_eval_tasks", type=int, default=144,
+                   help="env.eval_tasks of the larger held-out set every final checkpoint "
+                        "and warm start is also evaluated on (0: skip)")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     arms = args.arms.split(",")
@@ -151,6 +154,9 @@ def main(argv=None) -> None:
             if arm.startswith("ps_") and curves[arm]:
                 suffix = "" if arm == "ps_fixed" else "_" + arm.removeprefix("ps_")
                 summary.update({k + suffix: v for k, v in summarize(curves, arm).items()})
+    if args.final_eval_tasks:
+        summary["final_eval"] = ex.final_evals(args.root, seeds, arms, args.final_eval_tasks,
+                                               run=not args.no_run)
     os.makedirs(args.out, exist_ok=True)
     result = {"steps": args.steps, "seeds": seeds, "sets": args.set, "summary": summary,
               "figures": figures(curves, args.out),

@@ -47,6 +47,9 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="results")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--no_run", action="store_true", help="only read finished runs back")
+    p.add_argument("--final_eval_tasks", type=int, default=144,
+                   help="env.eval_tasks of the larger held-out set the final checkpoints "
+                        "are also evaluated on (0: skip)")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     arms = {"grpo": "baseline", "spo": "spo"}
@@ -77,6 +80,9 @@ def main(argv=None) -> None:
     if len(summary) == 2:
         summary["step_time_ratio_grpo_over_spo"] = (summary["grpo"]["step_time_s"]
                                                     / summary["spo"]["step_time_s"])
+    if args.final_eval_tasks:
+        summary["final_eval"] = ex.final_evals(args.root, seeds, list(arms.values()),
+                                               args.final_eval_tasks, run=not args.no_run)
 
     def series(x_key):
         res = {}

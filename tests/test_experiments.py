@@ -59,6 +59,20 @@ def test_ps_ablation_summary_from_runs(tmp_path):
         _write_run(root, seed, "ps_fixed", [0.2, 0.4, 0.5, 0.5], partial=[3, 3, 4, 4, 3, 3],
                    step_s=8.0, prefix_rate=[0.4, 0.5, 0.6, 0.5, 0.5, 0.5], replayed=50,
                    generated=150)
+    # Cached evaluations of the final checkpoints on a larger held-out set (train.py
+    # --eval_only); seed 1's ps_fixed one is missing and --no_run does not make it.
+    finals = {("sft", 0): 0.2, ("sft", 1): 0.3, ("baseline", 0): 0.25, ("baseline", 1): 0.3,
+              ("ps_fixed", 0): 0.4}
+    os.makedirs(os.path.join(root, "seed0", "sft"))
+    os.makedirs(os.path.join(root, "seed1", "sft"))
+    for (arm, seed), rate in finals.items():
+        workdir = os.path.join(root, f"seed{seed}", arm)
+        if arm == "sft":
+            with open(os.path.join(workdir, "run.json"), "w") as f:
+                json.dump({"wall_s": 1.0}, f)
+        with open(os.path.join(workdir, "final_eval_144.json"), "w") as f:
+            json.dump({"step": 6, "eval/pass_rate": rate,
+                       "rewards": {f"t{i}": float(i < rate * 10) for i in range(10)}}, f)
     ps_ablation.main(["--seeds", "0,1", "--arms", "baseline,ps_fixed", "--steps", "6",
                       "--root", root, "--out", out, "--no_run"])
     with open(os.path.join(out, "ps_ablation.json")) as f:
@@ -73,6 +87,13 @@ def test_ps_ablation_summary_from_runs(tmp_path):
     assert s["prefix_pass_rate_std"] == pytest.approx(np.std(rates))
     assert s["replayed_token_share"] == pytest.approx(0.25)
     assert s["step_time_ratio"] == pytest.approx(1.25)
+    fe = s["final_eval"]
+    assert fe["tasks"] == 10
+    assert fe["sft"]["mean"] == pytest.approx(0.25)
+    assert fe["baseline"]["pass_rate"] == {"0": 0.25, "1": 0.3}
+    assert fe["baseline"]["gain_over_sft_mean"] == pytest.approx(0.025)
+    assert fe["ps_fixed"]["pass_rate"] == {"0": 0.4}
+    assert fe["ps_fixed"]["gain_over_sft_mean"] == pytest.approx(0.2)
     assert result["curves"]["ps_fixed"]["0"]["eval"]["steps"] == [0, 2, 4, 6]
     assert result["curves"]["ps_fixed"]["0"]["solve_partial"]["steps"] == [1, 2, 3, 4, 5, 6]
     for path in result["figures"]:

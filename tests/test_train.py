@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import train
@@ -100,6 +101,33 @@ def test_smoke_run_resumes_after_kill(tmp_path):
     # One held-out eval scalar per eval step (0, and 2 = eval_every = the last step).
     evals = [m["step"] for m in _steps(workdir) if "eval/pass_rate" in m]
     assert evals == [0, 2], evals
+
+    # --eval_only: the last checkpoint on a larger held-out set, the run left as it was.
+    with open(os.path.join(workdir, "config.json")) as f:
+        config_before = f.read()
+    events_before = sorted(glob.glob(os.path.join(workdir, "tb", "*")))
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/default.py:smoke", "--workdir",
+         workdir, "--eval_only", "--set", "env.eval_tasks=7"], cwd=ROOT, env=_env(),
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(os.path.join(workdir, "eval_2.json")) as f:
+        in_run = json.load(f)
+    [path] = glob.glob(os.path.join(workdir, "eval_only_2_*tasks.json"))
+    with open(path) as f:
+        ev = json.load(f)
+    assert ev["step"] == 2 and path.endswith(f"_{len(ev['rewards'])}tasks.json")
+    assert set(in_run["rewards"]) < set(ev["rewards"])   # the run's held-out set, and more
+    assert ev["eval/pass_rate"] == pytest.approx(np.mean(list(ev["rewards"].values())))
+    with open(os.path.join(workdir, "config.json")) as f:
+        assert f.read() == config_before
+    assert sorted(glob.glob(os.path.join(workdir, "tb", "*"))) == events_before
+    empty = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/default.py:smoke", "--workdir",
+         str(tmp_path / "empty"), "--eval_only"], cwd=ROOT, env=_env(), capture_output=True,
+        text=True, timeout=120)
+    assert empty.returncode == 2 and "no checkpoints" in empty.stderr
+    assert not os.path.exists(tmp_path / "empty")
 
 
 def test_spo_smoke_run_trains_with_the_tracker(tmp_path):
