@@ -77,7 +77,8 @@ def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = ()
         return workdir
     sft = warm_start(root, seed, sets)
     if not os.path.exists(workdir):
-        shutil.copytree(sft, workdir, ignore=shutil.ignore_patterns("run.json", "log.txt"))
+        shutil.copytree(sft, workdir, ignore=shutil.ignore_patterns(
+            "run.json", "log.txt", "final_eval_*.json", "eval_only_*.json"))
     wall = _train(ARMS[arm].format(seed=seed), workdir, [*sets, f"total_steps={steps}"],
                   os.path.join(workdir, "log.txt"))
     with open(os.path.join(workdir, "run.json"), "w") as f:
@@ -93,7 +94,7 @@ def final_eval(root: str, seed: int, arm: str, eval_tasks: int) -> dict:
     one the runs evaluate on along the way; cached in the workdir."""
     workdir = os.path.join(root, f"seed{seed}", arm)
     path = os.path.join(workdir, f"final_eval_{eval_tasks}.json")
-    if not os.path.exists(path):
+    if not _fresh(path, workdir):
         spec = ARMS[arm].format(seed=seed) if arm in ARMS else f"configs/default.py:seed={seed}"
         t0 = time.time()
         cmd = [sys.executable, "train.py", "--config", spec, "--workdir", workdir, "--eval_only",
@@ -113,6 +114,22 @@ def final_eval(root: str, seed: int, arm: str, eval_tasks: int) -> dict:
     return {"step": ev["step"], "tasks": len(ev["rewards"]), "pass_rate": ev["eval/pass_rate"]}
 
 
+def latest_checkpoint(workdir: str) -> int | None:
+    """The highest finished checkpoint step under workdir/ckpt (Orbax names a finished
+    step's directory by the bare number)."""
+    ckpt = os.path.join(workdir, "ckpt")
+    steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()] if os.path.isdir(ckpt) else []
+    return max(steps, default=None)
+
+
+def _fresh(path: str, workdir: str) -> bool:
+    """Whether the cached final eval at `path` is of the workdir's latest checkpoint."""
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return int(json.load(f)["step"]) == latest_checkpoint(workdir)
+
+
 def final_evals(root: str, seeds: Sequence[int], arms: Sequence[str], eval_tasks: int,
                 run: bool = True) -> dict:
     """`final_eval` of the warm start and of every finished arm, per seed, with means and
@@ -122,7 +139,8 @@ def final_evals(root: str, seeds: Sequence[int], arms: Sequence[str], eval_tasks
         per_seed = {}
         for seed in seeds:
             workdir = os.path.join(root, f"seed{seed}", arm)
-            cached = os.path.exists(os.path.join(workdir, f"final_eval_{eval_tasks}.json"))
+            # (a result for another step, e.g. copied with a warm start, is stale)
+            cached = _fresh(os.path.join(workdir, f"final_eval_{eval_tasks}.json"), workdir)
             if os.path.exists(os.path.join(workdir, "run.json")) and (run or cached):
                 per_seed[str(seed)] = final_eval(root, seed, arm, eval_tasks)
         if per_seed:

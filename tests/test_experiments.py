@@ -60,18 +60,22 @@ def test_ps_ablation_summary_from_runs(tmp_path):
                    step_s=8.0, prefix_rate=[0.4, 0.5, 0.6, 0.5, 0.5, 0.5], replayed=50,
                    generated=150)
     # Cached evaluations of the final checkpoints on a larger held-out set (train.py
-    # --eval_only); seed 1's ps_fixed one is missing and --no_run does not make it.
-    finals = {("sft", 0): 0.2, ("sft", 1): 0.3, ("baseline", 0): 0.25, ("baseline", 1): 0.3,
-              ("ps_fixed", 0): 0.4}
-    os.makedirs(os.path.join(root, "seed0", "sft"))
-    os.makedirs(os.path.join(root, "seed1", "sft"))
-    for (arm, seed), rate in finals.items():
+    # --eval_only).
+    # Seed 1's ps_fixed result is stale (step 0, e.g. copied with the warm start, while
+    # the run's last checkpoint is step 6) and --no_run does not redo it.
+    finals = {("sft", 0, 0): 0.2, ("sft", 1, 0): 0.3, ("baseline", 0, 6): 0.25,
+              ("baseline", 1, 6): 0.3, ("ps_fixed", 0, 6): 0.4, ("ps_fixed", 1, 0): 0.3}
+    for (arm, seed, step), rate in finals.items():
         workdir = os.path.join(root, f"seed{seed}", arm)
-        if arm == "sft":
+        os.makedirs(os.path.join(workdir, "ckpt", "0"), exist_ok=True)
+        os.makedirs(os.path.join(workdir, "ckpt", "6.orbax-checkpoint-tmp-1"))  # unfinished
+        if arm != "sft":
+            os.makedirs(os.path.join(workdir, "ckpt", "6"))
+        else:
             with open(os.path.join(workdir, "run.json"), "w") as f:
                 json.dump({"wall_s": 1.0}, f)
         with open(os.path.join(workdir, "final_eval_144.json"), "w") as f:
-            json.dump({"step": 6, "eval/pass_rate": rate,
+            json.dump({"step": step, "eval/pass_rate": rate,
                        "rewards": {f"t{i}": float(i < rate * 10) for i in range(10)}}, f)
     ps_ablation.main(["--seeds", "0,1", "--arms", "baseline,ps_fixed", "--steps", "6",
                       "--root", root, "--out", out, "--no_run"])
