@@ -138,9 +138,7 @@ async def run(config, workdir: str, eval_only: bool = False) -> None:
     writer = MetricWriter(workdir)
     first_step = 0
     if ckpt.latest_step() is not None:
-        _, abstract = learner.abstract_train_state(nnx.merge(graphdef, state.params),
-                                                   config.learner, mesh)
-        state, host = ckpt.restore(ckpt.latest_step(), abstract)
+        state, host = restore(config, ckpt, ckpt.latest_step(), graphdef, state, mesh)
         first_step = int(host["step"])
         sampler.load_state_dict(host["sampler"])
         queue.load_state_dict(host["queue"])
@@ -272,6 +270,13 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
     return out
 
 
+def restore(config, ckpt: Checkpointer, step: int, graphdef, state, mesh):
+    """(train state, host state) of checkpoint `step`, laid out like `state`."""
+    _, abstract = learner.abstract_train_state(nnx.merge(graphdef, state.params),
+                                               config.learner, mesh)
+    return ckpt.restore(step, abstract)
+
+
 async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh, engine,
                               agent: Agent, tasks: list[Task], workdir: str) -> None:
     """--eval_only: the latest checkpoint's weights on `tasks` (e.g. a larger held-out set
@@ -279,9 +284,7 @@ async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh,
     step = ckpt.latest_step()
     if step is None:
         raise FileNotFoundError(f"--eval_only: no checkpoint in {ckpt.directory}")
-    _, abstract = learner.abstract_train_state(nnx.merge(graphdef, state.params),
-                                               config.learner, mesh)
-    state, _ = ckpt.restore(step, abstract)
+    state, _ = restore(config, ckpt, step, graphdef, state, mesh)
     await engine.update_weights(setup.engine_params(state.params))
     await evaluate(config, agent, tasks, None, step, workdir,
                    name=f"eval_only_{step}_{len(tasks)}tasks")

@@ -15,6 +15,11 @@ COLORS = {"baseline": "tab:gray", "ps_fixed": "tab:blue", "ps_adaptive": "tab:or
           "spo": "tab:green", "grpo": "tab:gray"}
 
 
+def arm_label(arm: str, seeds: int) -> str:
+    """A legend label, e.g. "spo (3 seeds)"; band_plot colours it by its first word."""
+    return f"{arm} ({seeds} seed{'s' if seeds > 1 else ''})"
+
+
 def band_plot(path: str, title: str, xlabel: str, ylabel: str,
               series: Mapping[str, tuple[Sequence[float], Sequence[float], Sequence[float]]],
               hline: float | None = None, hband: float | None = None) -> str:

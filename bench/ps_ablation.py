@@ -26,7 +26,7 @@ import os
 import numpy as np
 
 from bench import experiments as ex
-from bench.plot import band_plot
+from bench.plot import arm_label, band_plot
 
 KEYS = {"eval": "eval/pass_rate", "solve_partial": "rollout/solve_partial",
         "pass_rate": "rollout/pass_rate", "prefix_pass_rate": "ps/prefix_pass_rate",
@@ -104,8 +104,7 @@ def figures(curves: dict, out: str) -> list[str]:
             pairs = [(c[name]["steps"], c[name]["values"]) for c in by_seed.values()
                      if c[name]["steps"]]
             if pairs:
-                res[f"{arm} ({len(pairs)} seed{'s' if len(pairs) > 1 else ''})"] = (
-                    ex.mean_curve(pairs))
+                res[arm_label(arm, len(pairs))] = ex.mean_curve(pairs)
         return res
 
     return [

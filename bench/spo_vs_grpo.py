@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from bench import experiments as ex
-from bench.plot import band_plot
+from bench.plot import arm_label, band_plot
 
 ROLLOUTS_PER_STEP = 48  # configs/default.py: 6 x 8 for GRPO, 48 x 1 for SPO
 
@@ -90,8 +90,7 @@ def main(argv=None) -> None:
             if by_seed:
                 xs = np.array([c[x_key] for c in by_seed.values()], float).mean(0)
                 ev = np.array([c["eval"] for c in by_seed.values()])
-                label = f"{name} ({len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})"
-                res[label] = (xs, ev.mean(0), ev.std(0))
+                res[arm_label(name, len(by_seed))] = (xs, ev.mean(0), ev.std(0))
         return res
 
     os.makedirs(args.out, exist_ok=True)
