@@ -47,7 +47,10 @@ def main(argv=None) -> None:
                    help="build everything except remote services and exit")
     p.add_argument("--eval_only", action="store_true",
                    help="evaluate the workdir's latest checkpoint on the config's held-out "
-                        "tasks, write eval_only_{step}_{n}tasks.json there, and exit")
+                        "tasks, write eval_only_{step}_{n}tasks.json there (or --eval_out), "
+                        "and exit")
+    p.add_argument("--eval_out", default="", metavar="PATH",
+                   help="with --eval_only: where to write the evaluation's JSON")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set learner.optim.lr=1e-4 (repeatable; "
                         "values are Python literals, else strings)")
@@ -66,16 +69,20 @@ def main(argv=None) -> None:
     workdir = os.path.abspath(args.workdir)
     if args.eval_only and not os.path.isdir(os.path.join(workdir, "ckpt")):
         p.error(f"--eval_only: no checkpoints under {workdir}")
+    if args.eval_out and not args.eval_only:
+        p.error("--eval_out needs --eval_only")
     os.makedirs(workdir, exist_ok=True)
     if not args.eval_only:  # (an evaluation leaves the run's own config in place)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=1))
-    asyncio.run(run(config, workdir, eval_only=args.eval_only))
+    asyncio.run(run(config, workdir, eval_only=args.eval_only,
+                    eval_out=os.path.abspath(args.eval_out) if args.eval_out else None))
 
 
-async def run(config, workdir: str, eval_only: bool = False) -> None:
+async def run(config, workdir: str, eval_only: bool = False, eval_out: str | None = None) -> None:
     """Everything after the config, on one event loop (engine batching, sandbox slots
-    and in-flight rollouts all live on it). eval_only: evaluate the latest checkpoint."""
+    and in-flight rollouts all live on it). eval_only: evaluate the latest checkpoint
+    (into eval_out if given)."""
     # ------------------------------------------------------------------ mesh
     mesh = sharding.make_mesh(**config.mesh)
 
@@ -130,7 +137,7 @@ async def run(config, workdir: str, eval_only: bool = False) -> None:
     if eval_only:
         try:
             await evaluate_checkpoint(config, ckpt, graphdef, state, mesh, engine, agent,
-                                      eval_tasks, workdir)
+                                      eval_tasks, workdir, eval_out)
         finally:
             ckpt.close()
             engine.close()
@@ -249,10 +256,10 @@ def _job_seed(step: int, index: int) -> int:
 
 
 async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter | None,
-                   step: int, workdir: str, name: str | None = None) -> dict[str, float]:
+                   step: int, workdir: str, path: str | None = None) -> dict[str, float]:
     """Held-out pass rate: one rollout per task at the eval temperature, saved with each
-    task's reward as `{name}.json` (default eval_{step}). Written by `writer` if given
-    (else the caller writes the returned scalars with its own)."""
+    task's reward at `path` (default workdir/eval_{step}.json). Written by `writer` if
+    given (else the caller writes the returned scalars with its own)."""
     eval_agent = agent.with_sampling(temperature=config.eval_temperature)
     jobs = [RolloutJob(t, seed=i) for i, t in enumerate(tasks)]
     with setup.progress(len(jobs), f"eval @ {step}") as bar:
@@ -262,7 +269,7 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
            "eval/env_errors": float(len(groups) - len(scored))}
     if writer is not None:
         writer.write_scalars(step, out)
-    with open(os.path.join(workdir, f"{name or f'eval_{step}'}.json"), "w") as f:
+    with open(path or os.path.join(workdir, f"eval_{step}.json"), "w") as f:
         json.dump({"step": step, **out, "rewards": {g[0].task_id: g[0].reward for g in groups}},
                   f)
     log.info("eval @ step %d: pass rate %.3f over %d tasks", step, out["eval/pass_rate"],
@@ -278,16 +285,18 @@ def restore(config, ckpt: Checkpointer, step: int, graphdef, state, mesh):
 
 
 async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh, engine,
-                              agent: Agent, tasks: list[Task], workdir: str) -> None:
+                              agent: Agent, tasks: list[Task], workdir: str,
+                              path: str | None = None) -> None:
     """--eval_only: the latest checkpoint's weights on `tasks` (e.g. a larger held-out set
-    than the run's, via --set env.eval_tasks=N)."""
+    than the run's, via --set env.eval_tasks=N), written to `path` (default
+    workdir/eval_only_{step}_{n}tasks.json)."""
     step = ckpt.latest_step()
     if step is None:
         raise FileNotFoundError(f"--eval_only: no checkpoint in {ckpt.directory}")
     state, _ = restore(config, ckpt, step, graphdef, state, mesh)
     await engine.update_weights(setup.engine_params(state.params))
     await evaluate(config, agent, tasks, None, step, workdir,
-                   name=f"eval_only_{step}_{len(tasks)}tasks")
+                   path or os.path.join(workdir, f"eval_only_{step}_{len(tasks)}tasks.json"))
 
 
 async def warm_start(config, agent: Agent, train_tasks, graphdef, state, mesh,

@@ -96,19 +96,11 @@ def final_eval(root: str, seed: int, arm: str, eval_tasks: int) -> dict:
     path = os.path.join(workdir, f"final_eval_{eval_tasks}.json")
     if not _fresh(path, workdir):
         spec = ARMS[arm].format(seed=seed) if arm in ARMS else f"configs/default.py:seed={seed}"
-        t0 = time.time()
         cmd = [sys.executable, "train.py", "--config", spec, "--workdir", workdir, "--eval_only",
-               "--set", f"env.eval_tasks={eval_tasks}"]
+               "--set", f"env.eval_tasks={eval_tasks}", "--eval_out", path]
         with open(os.path.join(workdir, "log.txt"), "a") as log:
             print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
             subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, check=True)
-        name = max((n for n in os.listdir(workdir) if n.startswith("eval_only_")
-                    and os.path.getmtime(os.path.join(workdir, n)) >= t0 - 1),
-                   key=lambda n: os.path.getmtime(os.path.join(workdir, n)))
-        with open(os.path.join(workdir, name)) as f:
-            ev = json.load(f)
-        with open(path, "w") as f:
-            json.dump({"eval_tasks": eval_tasks, "file": name, **ev}, f)
     with open(path) as f:
         ev = json.load(f)
     return {"step": ev["step"], "tasks": len(ev["rewards"]), "pass_rate": ev["eval/pass_rate"]}

@@ -26,6 +26,10 @@ import shlex
 from typing import Any
 
 from env.sandbox.base import Sandbox
+from models.tokenizer import render_tool_call  # the chat template's: the text to generate
+
+__all__ = ["TOOL_SCHEMAS", "ToolBox", "ToolCallError", "ToolResult", "cap_text",
+           "parse_tool_call", "render_tool_call", "scrub_timings", "validate_call"]
 
 TOOL_SCHEMAS: list[dict[str, Any]] = [
     {
@@ -132,12 +136,6 @@ class ToolResult:
     changed: bool = False
 
 
-def render_tool_call(call: dict[str, Any]) -> str:
-    """The exact Hermes text the model should generate for `call`."""
-    body = json.dumps({"name": call["name"], "arguments": call["arguments"]}, ensure_ascii=False)
-    return f"<tool_call>\n{body}\n</tool_call>"
-
-
 def parse_tool_call(text: str) -> dict[str, Any]:
     """Extracts and validates the single Hermes tool call in an assistant message.
 
@@ -234,6 +232,20 @@ def cap_text(text: str, limit: int) -> str:
     return text[:head] + marker + (text[-tail:] if tail else "")
 
 
+# Test runners' wall-clock durations: unittest's "Ran 4 tests in 0.072s" and pytest's
+# "===== 3 passed, 1 failed in 0.12s =====" (optionally "(0:01:02)" after it).
+_UNITTEST_TIME = re.compile(r"^(Ran \d+ tests?) in \d+(?:\.\d+)?s$", re.MULTILINE)
+_PYTEST_TIME = re.compile(r"^(=+ .*?) in \d+(?:\.\d+)?s(?: \(\d+:\d\d:\d\d\))?( =+)$",
+                          re.MULTILINE)
+
+
+def scrub_timings(text: str) -> str:
+    """`text` without test runners' durations, which vary from run to run; the rest of
+    the summary line stays. Makes an observation a function of the sandbox's state and
+    the command alone, so demonstrations, replays and evaluations are reproducible."""
+    return _PYTEST_TIME.sub(r"\1\2", _UNITTEST_TIME.sub(r"\1", text))
+
+
 def number_lines(lines: list[str], start: int = 1) -> str:
     """`cat -n` style: right-aligned 1-based line number, a tab, the line."""
     return "\n".join(f"{i:6d}\t{line}" for i, line in enumerate(lines, start))
@@ -244,8 +256,9 @@ class ToolBox:
 
     def __init__(self, sandbox: Sandbox, *, repo_root: str = "/testbed",
                  max_observation_chars: int = 4000, bash_timeout: float = 30.0,
-                 max_search_results: int = 50):
+                 max_search_results: int = 50, scrub_timings: bool = True):
         self.sandbox = sandbox
+        self.scrub_timings = scrub_timings
         self.repo_root = repo_root.rstrip("/") or "/"
         self.max_observation_chars = max_observation_chars
         self.bash_timeout = bash_timeout
@@ -330,6 +343,8 @@ class ToolBox:
             raise ToolCallError("ERROR: command is empty.")
         res = self.sandbox.run(command, timeout=self.bash_timeout)
         out = self._as_repo_root(res.output).rstrip("\n")
+        if self.scrub_timings:
+            out = scrub_timings(out)
         if res.timed_out:
             out += f"\n[command timed out after {self.bash_timeout:g}s]"
         elif res.exit_code != 0:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import random
 import sys
@@ -29,6 +30,8 @@ from rl import learner, prefix
 from rl.rollout import Agent, RolloutJob
 from rl.sampler import TaskSampler
 from rl.types import Trajectory, Turn
+
+log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ checks
 
@@ -171,6 +174,12 @@ def sandbox_factory(env_cfg) -> Callable[[Task], Any]:
     if env_cfg.backend not in ("local", "docker"):
         raise ValueError(f"env.backend must be 'local' or 'docker', got {env_cfg.backend!r}")
     defaults = {"image": env_cfg.image} if env_cfg.backend == "docker" and env_cfg.image else {}
+    if env_cfg.backend == "local":
+        from env.sandbox import local
+
+        stale = local.reap_stale()
+        if stale:
+            log.info("removed %d sandbox directories of exited processes", len(stale))
     return factory(env_cfg.backend, **defaults)
 
 

@@ -7,11 +7,15 @@ containers against the engine's own listing.
 
 import asyncio
 import hashlib
+import json
 import os
+import pathlib
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -20,7 +24,7 @@ import pytest
 from sandbox_backends import IMAGE, ROOT, ensure_image
 
 from env.sandbox import SandboxError, make_sandbox
-from env.sandbox.local import LocalLimits, uid_processes
+from env.sandbox.local import LocalLimits, reap_stale, uid_processes
 from env.sandbox.pool import POOL_LABEL, SandboxPool, make_pool
 
 FILES = {
@@ -248,6 +252,48 @@ def test_local_from_repo_dir_at_base_commit(tmp_path):
         assert sb.base_commit == base and sb.patch() == ""
     with pytest.raises(ValueError, match="cannot check out"):
         make_sandbox("local", repo_dir=str(src), base_commit="0" * 40)
+
+
+@pytest.fixture
+def open_tmp():
+    """A directory other users can traverse (sandboxes under a dedicated uid need it)."""
+    path = tempfile.mkdtemp(prefix="reap-test-")
+    os.chmod(path, 0o755)
+    yield pathlib.Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_local_reap_stale_removes_only_sandboxes_of_exited_owners(open_tmp):
+    tmp_path = open_tmp
+    # A process that made a sandbox with a command still running in it, and was killed.
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading
+        sys.path.insert(0, {ROOT!r})
+        from env.sandbox import make_sandbox
+        sb = make_sandbox("local", repo_files={{"a.py": "x = 1\\n"}}, root_dir={str(tmp_path)!r})
+        threading.Thread(target=sb.run, args=("sleep 60",), daemon=True).start()
+        print(sb.root, sb._uid, flush=True)
+        threading.Event().wait(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    dead_root, uid = out.stdout.split()
+    assert os.path.isdir(dead_root)
+    foreign = tmp_path / "sandbox-foreign"  # no owner record: not ours to remove
+    foreign.mkdir()
+    with make_sandbox("local", repo_files=FILES, root_dir=str(tmp_path)) as live:
+        reused = tmp_path / "sandbox-reused"  # this pid, but a process started at tick 0
+        reused.mkdir()
+        (reused / ".owner").write_text(json.dumps({"owner": f"{os.getpid()}:0"}))
+        assert sorted(reap_stale(str(tmp_path))) == sorted([dead_root, str(reused)])
+        assert not os.path.exists(dead_root) and not reused.exists() and foreign.is_dir()
+        assert live.run("cat calc.py").output == FILES["calc.py"]
+        if os.geteuid() == 0 and uid != "None":  # its orphaned `sleep 60` was killed
+            assert uid_processes(int(uid)) == []
+        assert reap_stale(str(tmp_path)) == []
+    assert sorted(os.listdir(tmp_path)) == ["sandbox-foreign"]
 
 
 # -- docker only ----------------------------------------------------------------------

@@ -17,6 +17,7 @@ from env.tools import (
     cap_text,
     parse_tool_call,
     render_tool_call,
+    scrub_timings,
 )
 
 FILES = {
@@ -105,6 +106,17 @@ def test_cap_text_keeps_head_and_tail():
     assert cap_text("short", 200) == "short"
 
 
+def test_scrub_timings_drops_only_test_runner_durations():
+    assert scrub_timings("....\n---\nRan 4 tests in 0.072s\n\nOK") == "....\n---\nRan 4 tests\n\nOK"
+    assert scrub_timings("Ran 1 test in 12s") == "Ran 1 test"
+    assert scrub_timings("=== 3 passed, 1 failed in 0.12s ===\nx") == (
+        "=== 3 passed, 1 failed ===\nx")
+    assert scrub_timings("===== 2 passed in 62.01s (0:01:02) =====") == "===== 2 passed ====="
+    for kept in ["I ran 4 tests in 0.1s today", "Ran 4 tests in 0.1 s", "took 0.072s",
+                 "== 2 passed in 0.1s"]:
+        assert scrub_timings(kept) == kept
+
+
 # ---- tools on real sandboxes ---------------------------------------------------------------
 
 @pytest.fixture(params=BACKENDS)
@@ -116,6 +128,23 @@ def tools(request):
 
 def run(tools, name, **arguments):
     return tools.execute({"name": name, "arguments": arguments})
+
+
+SLOW_TEST = ("import time, unittest\n\n\nclass T(unittest.TestCase):\n"
+             "    def test_slow(self):\n        time.sleep(0.02)\n")
+
+
+def test_bash_observations_carry_no_test_durations(tools):
+    run(tools, "file_editor", command="create", path="test_slow.py", file_text=SLOW_TEST)
+    raw = tools.sandbox.run("python3 -m unittest -q test_slow").output.rstrip("\n")
+    timing = [ln for ln in raw.splitlines() if ln.startswith("Ran 1 test in ")]
+    assert len(timing) == 1 and timing[0] != "Ran 1 test in 0.000s", raw  # it slept 20 ms
+    seen = {run(tools, "execute_bash", command="python3 -m unittest -q test_slow").observation
+            for _ in range(2)}
+    assert seen == {raw.replace(timing[0], "Ran 1 test")}
+    tools.scrub_timings = False
+    assert "Ran 1 test in 0.0" in run(tools, "execute_bash",
+                                      command="python3 -m unittest -q test_slow").observation
 
 
 def test_view_matches_cat_n_and_lists_directories(tools):

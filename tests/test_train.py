@@ -108,15 +108,16 @@ def test_smoke_run_resumes_after_kill(tmp_path):
     events_before = sorted(glob.glob(os.path.join(workdir, "tb", "*")))
     out = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/default.py:smoke", "--workdir",
-         workdir, "--eval_only", "--set", "env.eval_tasks=7"], cwd=ROOT, env=_env(),
+         workdir, "--eval_only", "--set", "env.eval_tasks=7", "--eval_out",
+         str(tmp_path / "big_eval.json")], cwd=ROOT, env=_env(),
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     with open(os.path.join(workdir, "eval_2.json")) as f:
         in_run = json.load(f)
-    [path] = glob.glob(os.path.join(workdir, "eval_only_2_*tasks.json"))
-    with open(path) as f:
+    assert not glob.glob(os.path.join(workdir, "eval_only_*"))  # --eval_out names the file
+    with open(tmp_path / "big_eval.json") as f:
         ev = json.load(f)
-    assert ev["step"] == 2 and path.endswith(f"_{len(ev['rewards'])}tasks.json")
+    assert ev["step"] == 2
     assert set(in_run["rewards"]) < set(ev["rewards"])   # the run's held-out set, and more
     assert ev["eval/pass_rate"] == pytest.approx(np.mean(list(ev["rewards"].values())))
     with open(os.path.join(workdir, "config.json")) as f:
@@ -128,6 +129,12 @@ def test_smoke_run_resumes_after_kill(tmp_path):
         text=True, timeout=120)
     assert empty.returncode == 2 and "no checkpoints" in empty.stderr
     assert not os.path.exists(tmp_path / "empty")
+    stray = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/default.py:smoke", "--workdir",
+         str(tmp_path / "stray"), "--eval_out", str(tmp_path / "x.json")], cwd=ROOT,
+        env=_env(), capture_output=True, text=True, timeout=120)
+    assert stray.returncode == 2 and "--eval_out needs --eval_only" in stray.stderr
+    assert not os.path.exists(tmp_path / "stray")
 
 
 def test_spo_smoke_run_trains_with_the_tracker(tmp_path):

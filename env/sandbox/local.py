@@ -16,6 +16,10 @@ limit is per process); use the docker backend where those matter.
 
 After every command, processes it left in the background are killed: each call of
 `run` is self-contained, so an episode never leaks processes between steps.
+
+A sandbox directory records its owner (pid and process start time) in `.owner`;
+`reap_stale` removes the directories of owners that no longer run, which a killed
+trainer leaves behind (`close` never ran).
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 EXEC_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 # Dedicated uids are drawn from here; far above login (1000+) and subuid (100000+) ranges.
 UID_RANGE = (1_000_000_000, 1_500_000_000)
+PREFIX, OWNER_FILE = "sandbox-", ".owner"
 # Extra wall time the supervisor gets beyond the command timeout before it counts as broken.
 SUPERVISOR_GRACE_S = 15.0
 
@@ -115,8 +120,10 @@ class LocalSandbox(base.Sandbox):
         self._uid = secrets.randbelow(UID_RANGE[1] - UID_RANGE[0]) + UID_RANGE[0]
         if os.geteuid() != 0:
             self._uid = None
-        self.root = tempfile.mkdtemp(prefix="sandbox-", dir=root_dir)
+        self.root = tempfile.mkdtemp(prefix=PREFIX, dir=root_dir)
         try:
+            with open(os.path.join(self.root, OWNER_FILE), "w") as f:
+                json.dump({"owner": _process_identity(os.getpid())}, f)
             self.repo = os.path.join(self.root, "repo")
             self._env = self._make_env(env)
             if repo_files is not None:
@@ -403,6 +410,43 @@ def uid_processes(uid: int) -> list[int]:
         if fields["State"].split()[0] != "Z" and int(fields["Uid"].split()[0]) == uid:
             found.append(int(name))
     return found
+
+
+def _process_identity(pid: int) -> str | None:
+    """"pid:start-time" (clock ticks since boot) of a running process, None if none runs:
+    unlike the pid alone, never the same for a later process that reuses the pid."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return f"{pid}:{fields[19]}" if fields[0] != "Z" else None
+
+
+def reap_stale(root_dir: str | None = None) -> list[str]:
+    """Removes the sandbox directories under `root_dir` (default: the temp dir) whose
+    owning process has exited, killing what still runs as their uid; returns them.
+    Directories without an owner record (being created, or of another program) stay."""
+    root_dir = root_dir or tempfile.gettempdir()
+    reaped = []
+    for name in sorted(os.listdir(root_dir)):
+        path = os.path.join(root_dir, name)
+        if not name.startswith(PREFIX) or not os.path.isdir(path):
+            continue
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                record = json.load(f)
+            pid = int(str(record["owner"]).split(":")[0])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _process_identity(pid) == record["owner"]:
+            continue  # its owner is alive
+        uid = os.stat(path).st_uid  # a dedicated uid owns the directory (root only)
+        if os.geteuid() == 0 and UID_RANGE[0] <= uid < UID_RANGE[1]:
+            kill_uid_processes(uid)
+        shutil.rmtree(path, ignore_errors=True)
+        reaped.append(path)
+    return reaped
 
 
 def kill_uid_processes(uid: int, rounds: int = 200) -> None:
