@@ -258,7 +258,8 @@ def _job_seed(step: int, index: int) -> int:
 async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter | None,
                    step: int, workdir: str, path: str | None = None) -> dict[str, float]:
     """Held-out pass rate: one rollout per task at the eval temperature, saved with each
-    task's reward at `path` (default workdir/eval_{step}.json). Written by `writer` if
+    task's reward at `path` (default workdir/eval_{step}.json), and every episode's
+    decoded conversation beside it (`..._transcripts.jsonl`). Written by `writer` if
     given (else the caller writes the returned scalars with its own)."""
     eval_agent = agent.with_sampling(temperature=config.eval_temperature)
     jobs = [RolloutJob(t, seed=i) for i, t in enumerate(tasks)]
@@ -269,9 +270,15 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
            "eval/env_errors": float(len(groups) - len(scored))}
     if writer is not None:
         writer.write_scalars(step, out)
-    with open(path or os.path.join(workdir, f"eval_{step}.json"), "w") as f:
+    path = path or os.path.join(workdir, f"eval_{step}.json")
+    with open(path, "w") as f:
         json.dump({"step": step, **out, "rewards": {g[0].task_id: g[0].reward for g in groups}},
                   f)
+    with open(path.removesuffix(".json") + "_transcripts.jsonl", "w") as f:
+        for (traj,) in groups:
+            f.write(json.dumps({"task_id": traj.task_id, "reward": traj.reward,
+                                "status": traj.status, "error": traj.error,
+                                "text": agent.tokenizer.decode(traj.token_arrays()[0])}) + "\n")
     log.info("eval @ step %d: pass rate %.3f over %d tasks", step, out["eval/pass_rate"],
              len(scored))
     return out

@@ -78,7 +78,7 @@ def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = ()
     sft = warm_start(root, seed, sets)
     if not os.path.exists(workdir):
         shutil.copytree(sft, workdir, ignore=shutil.ignore_patterns(
-            "run.json", "log.txt", "final_eval_*.json", "eval_only_*.json"))
+            "run.json", "log.txt", "final_eval_*", "eval_only_*"))
     wall = _train(ARMS[arm].format(seed=seed), workdir, [*sets, f"total_steps={steps}"],
                   os.path.join(workdir, "log.txt"))
     with open(os.path.join(workdir, "run.json"), "w") as f:

@@ -114,7 +114,15 @@ def test_smoke_run_resumes_after_kill(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     with open(os.path.join(workdir, "eval_2.json")) as f:
         in_run = json.load(f)
+    # Each episode's conversation beside its reward, for reading what the policy did.
+    with open(os.path.join(workdir, "eval_2_transcripts.jsonl")) as f:
+        transcripts = [json.loads(line) for line in f]
+    assert {t["task_id"]: t["reward"] for t in transcripts} == in_run["rewards"]
+    for t in transcripts:
+        assert t["text"].startswith("<|im_start|>system\n") and "<|im_start|>assistant\n" in t[
+            "text"], t["text"][:300]
     assert not glob.glob(os.path.join(workdir, "eval_only_*"))  # --eval_out names the file
+    assert os.path.exists(tmp_path / "big_eval_transcripts.jsonl")
     with open(tmp_path / "big_eval.json") as f:
         ev = json.load(f)
     assert ev["step"] == 2
