@@ -226,7 +226,10 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             metrics["time/sync_s"] = time.perf_counter() - t0
             metrics["time/step_s"] = time.perf_counter() - t_step
             gen = sum(t.num_generated_tokens for t in trajs)
-            metrics["rollout/generated_tokens_per_s"] = gen / max(metrics["time/rollout_s"], 1e-9)
+            # Per second of the phase that generated them: the rollout phase in group mode;
+            # the whole step in stream mode, whose generation overlaps the learner.
+            gen_s = metrics["time/rollout_s"] if config.algo == "grpo" else metrics["time/step_s"]
+            metrics["rollout/generated_tokens_per_s"] = gen / max(gen_s, 1e-9)
             # -- eval, metrics, checkpoint
             if step % config.eval_every == 0 or step == config.total_steps:
                 metrics.update(await evaluate(config, agent, eval_tasks, None, step, workdir))

@@ -155,3 +155,9 @@ def test_spo_smoke_run_trains_with_the_tracker(tmp_path):
     assert [m["step"] for m in rl] == [1, 2]
     assert all(m["spo/tracked"] >= 1 and 0.875 <= m["spo/rho_mean"] <= 0.96 for m in rl)
     assert all(m["rollout/trajectories"] == 4 for m in rl)  # batch_tasks, one response each
+    # Generation overlaps the learner in stream mode: throughput is per second of the step.
+    for m in rl:
+        assert m["rollout/env_errors"] == 0
+        generated = m["rollout/generated_tokens_mean"] * m["rollout/trajectories"]
+        assert m["rollout/generated_tokens_per_s"] == pytest.approx(
+            generated / m["time/step_s"], rel=1e-4)
