@@ -58,6 +58,10 @@ def check_config(config) -> None:
         raise ValueError(f"the longest learner.row_buckets ({max(config.learner.row_buckets)}) "
                          f"must hold rollout.max_context ({config.rollout.max_context})")
     loss.check_config(config.learner.loss)
+    if config.learner.loss.kl != "none":
+        raise ValueError(f"learner.loss.kl={config.learner.loss.kl!r} needs the reference "
+                         "policy's log-probs (or params), which train.py does not compute; "
+                         "use 'none' (the learner's train_step takes them when called directly)")
 
 
 # ------------------------------------------------------------------ tasks

@@ -55,6 +55,12 @@ def test_command_line_overrides(capsys):
     with pytest.raises(KeyError, match="rollout.nope"):
         train.main(["--config", os.path.join(ROOT, "configs/default.py"), "--workdir", "/x",
                     "--dry_run", "--set", "rollout.nope=3"])
+    # A KL penalty needs reference log-probs the training loop does not compute: refused
+    # up front rather than at the first train step.
+    with pytest.raises(ValueError, match="learner.loss.kl='k3'"):
+        train.main(["--config", os.path.join(ROOT, "configs/default.py"), "--workdir", "/x",
+                    "--dry_run", "--set", "learner.loss.kl=k3", "--set",
+                    "learner.loss.kl_coef=0.1"])
 
 
 def _env():
