@@ -161,3 +161,14 @@ def spo_defaults() -> ConfigDict:
         rho_type="kl", d_half=0.06, rho_min=0.875, rho_max=0.96, prior=(1.0, 1.0),
         max_stored_tokens=512, sampler_eps=0.05, pool_size=0, in_flight=96,
         init_samples=0, init_form="reference"))
+
+
+def distributed_defaults() -> dict[str, Any]:
+    """The `distributed` section: one JAX process per host (see rl.distributed).
+
+    coordinator: "host:port" of process 0's coordination service; with num_processes
+      and process_id (each may come from JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,
+      JAX_PROCESS_ID instead). All empty: one process.
+    auto: let JAX detect the cluster (TPU pod slices, SLURM, Open MPI, Kubernetes).
+    """
+    return dict(coordinator="", num_processes=0, process_id=-1, auto=False)
