@@ -148,6 +148,8 @@ def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp, kl_
     kl_tok: [...] per-token KL to the reference when cfg.kl == "exact", else None.
 
     loss = sum(w * (tis * loss_tok + kl_coef * kl_tok)).
+    With learner old log-probs, sampler_gap_mean / _max are the token mean and max of
+    |old_logp - sampler_logp|.
     Metrics are sums whose total over a mini-batch's micro-batches is the
     mini-batch value (token means; "_max"/"_min" keys reduce by max/min).
     """
@@ -160,6 +162,11 @@ def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp, kl_
     loss_tok, stats = TOKEN_LOSSES[cfg.name](
         logp, old_logp, adv, eps_low=cfg.eps_low, eps_high=cfg.eps_high, dual_clip=cfg.dual_clip)
     metrics = {}
+    if cfg.old_logprobs == "learner":
+        # How far the sampler's numerics are from the learner's on the same tokens.
+        gap = jnp.abs(old_logp - sampler_logp)
+        metrics["sampler_gap_mean"] = jnp.sum(token_weights * gap)
+        metrics["sampler_gap_max"] = jnp.max(jnp.where(valid, gap, 0.0))
     if cfg.tis_cap:
         tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap)
         loss_tok = loss_tok * tis

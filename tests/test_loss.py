@@ -150,3 +150,16 @@ def test_metrics_by_hand():
 def test_bad_config_is_named(kw, match):
     with pytest.raises(ValueError, match=match):
         losses.check_config(_cfg(**kw))
+
+
+def test_sampler_gap_metrics_by_hand():
+    """Learner old log-probs: token mean and max of |old - sampler| over the loss tokens."""
+    batch, _, logp, learner_old, *_ = _problem()
+    _, metrics = _loss(_cfg(old_logprobs="learner", tis_cap=2.0), batch, logp, learner_old)
+    valid = batch.loss_mask > 0
+    gap = np.abs(learner_old - batch.old_logprobs)[valid]
+    assert gap.max() > 0
+    np.testing.assert_allclose(float(metrics["sampler_gap_mean"]), gap.mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["sampler_gap_max"]), gap.max(), rtol=1e-6)
+    _, sampler_only = _loss(_cfg(), batch, logp, None)
+    assert "sampler_gap_mean" not in sampler_only
