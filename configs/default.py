@@ -34,6 +34,7 @@ def get_config(arg=None):
     # demonstrations (deterministic); `path` takes a released tokenizer.json instead.
     c.tokenizer = dict(path="", bpe_vocab_size=1024)
     c.mesh = dict(data=1, fsdp=1, tensor=1)
+    c.distributed = common.distributed_defaults()  # one process per host: rl.distributed
 
     # The prefix cache keeps each conversation's keys/values between turns (~1 KB per
     # position for this model), so a turn prefills only the new observation. Batch and

@@ -31,6 +31,7 @@ def get_config(arg=None):
                    param_dtype="float32")
     c.tokenizer = dict(path=arg.model_path, bpe_vocab_size=0)
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
+    c.distributed = common.distributed_defaults()  # one process per host: rl.distributed
 
     sglang = common.sglang_defaults()
     sglang.update(launch=True, ports=tuple(30000 + i for i in range(arg.servers)),
