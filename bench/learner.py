@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from configs import common
 from models.qwen3 import PRESETS, Qwen3
 from rl import learner
 from rl.batch import pack_arrays
@@ -104,7 +105,7 @@ def main(argv=None) -> None:
          f"real {tail_info.real_token_fraction:.3f}")
 
     model_cfg = PRESETS[args.model]
-    cfg = learner.default_config()
+    cfg = common.learner_defaults()
     cfg.num_microbatches = args.micro
     cfg.optim.lr = 1e-5
     graphdef, state = learner.init_train_state(Qwen3(model_cfg, rngs=nnx.Rngs(0)), cfg)

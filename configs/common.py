@@ -15,7 +15,7 @@ import ast
 import importlib.util
 import itertools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import ml_collections
@@ -163,6 +163,42 @@ def spo_defaults() -> ConfigDict:
         init_samples=0, init_form="reference"))
 
 
+def learner_defaults() -> ConfigDict:
+    """The `learner` section (rl.learner reads it): optimizer, loss and batching.
+
+    `temperature` and `seed` are derived keys: config files make them references to
+    `rollout.temperature` and the top-level `seed` (`ConfigDict.get_ref`), so an
+    override of either side is seen by both, and `check_values` refuses a config
+    where they differ.
+    """
+    c = ConfigDict()
+    c.num_minibatches = 1     # optimizer updates per train_step (rows split evenly)
+    c.num_microbatches = 1    # gradient-accumulation chunks per mini-batch
+    c.temperature = 1.0       # log-probs of log_softmax(logits / T): the sampler's T
+    c.logprob_impl = None     # kernels.logprob implementation; None picks per backend
+    c.seed = 0
+    c.optim = ConfigDict(dict(
+        lr=1e-6,
+        warmup_steps=0,       # linear warmup from 0 over this many optimizer updates
+        schedule="constant",  # after warmup: "constant" or "cosine"
+        decay_steps=0,        # cosine: updates from the end of warmup to the final lr
+        end_lr_frac=0.0,      # cosine: final lr as a fraction of lr
+        b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01,
+        max_grad_norm=1.0,    # global-norm clipping; 0 = off
+    ))
+    c.loss = ConfigDict(dict(
+        name="ppo",           # rl.loss.TOKEN_LOSSES: "ppo" or "sft"
+        agg="token-mean",     # rl.loss.AGGREGATIONS
+        eps_low=0.2, eps_high=0.28,
+        dual_clip=0.0,        # c > 1 bounds the loss of negative-advantage tokens; 0 = off
+        kl="none",            # "none", "k1", "k2", "k3", "k3plus" or "exact"
+        kl_coef=0.0,
+        old_logprobs="sampler",  # PPO ratio vs "sampler" log-probs or the "learner"'s own
+        tis_cap=0.0,          # truncated importance weight cap (needs old_logprobs="learner")
+    ))
+    return c
+
+
 def distributed_defaults() -> dict[str, Any]:
     """The `distributed` section: one JAX process per host (see rl.distributed).
 
@@ -172,3 +208,128 @@ def distributed_defaults() -> dict[str, Any]:
     auto: let JAX detect the cluster (TPU pod slices, SLURM, Open MPI, Kubernetes).
     """
     return dict(coordinator="", num_processes=0, process_id=-1, auto=False)
+
+
+# ------------------------------------------------------------------ value checks
+
+# Allowed values of every numeric key, in interval notation; " | " joins alternatives
+# and a bare number allows exactly that value. A tuple's elements are checked one by
+# one. A numeric key added to a section gets a line here: tests/test_configs.py fails
+# on a numeric key without one.
+RANGES: dict[str, str] = {
+    "seed": "[0, inf)", "total_steps": "[1, inf)", "batch_tasks": "[1, inf)",
+    "group_size": "[1, inf)", "eval_every": "[1, inf)", "eval_temperature": "[0, inf)",
+    "ckpt_every": "[1, inf)", "ckpt_keep": "[1, inf)", "log_texts_every": "[1, inf)",
+    # model (a preset's fields overridden by the config)
+    "model.hidden_size": "[1, inf)", "model.intermediate_size": "[1, inf)",
+    "model.num_layers": "[1, inf)", "model.num_heads": "[1, inf)",
+    "model.num_kv_heads": "[1, inf)", "model.head_dim": "[1, inf)",
+    "model.max_position_embeddings": "[1, inf)",
+    "tokenizer.bpe_vocab_size": "[0, inf)",
+    # -1: the devices the other axes leave
+    "mesh.data": "[1, inf) | -1", "mesh.fsdp": "[1, inf) | -1", "mesh.tensor": "[1, inf) | -1",
+    "distributed.num_processes": "[0, inf)", "distributed.process_id": "[0, inf) | -1",
+    "engine.max_batch": "[0, inf)", "engine.max_len": "[1, inf)",
+    "engine.prefix_cache_tokens": "[0, inf)", "engine.min_batch": "[1, inf)",
+    "engine.min_len": "[1, inf)", "engine.min_cache_len": "[1, inf)",
+    "engine.sglang.ports": "[1, 65535]", "engine.sglang.tp_size": "[1, inf)",
+    "engine.sglang.mem_fraction_static": "(0, 1]", "engine.sglang.timeout_s": "(0, inf)",
+    "engine.sglang.max_retries": "[0, inf)", "engine.sglang.health_timeout_s": "(0, inf)",
+    "engine.sglang.host_gpus": "[0, inf)", "engine.sglang.context_length": "[0, inf)",
+    "engine.sglang.export_keep": "[1, inf)",
+    "env.train_tasks": "[0, inf)", "env.eval_tasks": "[0, inf)", "env.difficulties": "[0, 2]",
+    "env.task_seed": "[0, inf)", "env.eval_seed": "[0, inf)", "env.max_concurrent": "[1, inf)",
+    # The RL sampler's temperature divides the learner's logits: 0 (greedy) is refused.
+    "rollout.temperature": "(0, inf)", "rollout.top_p": "(0, 1]", "rollout.top_k": "[1, inf) | -1",
+    "rollout.max_steps": "[1, inf)", "rollout.max_turn_tokens": "[1, inf)",
+    "rollout.max_response_tokens": "[1, inf)", "rollout.max_context": "[1, inf)",
+    "rollout.wall_timeout_s": "(0, inf)", "rollout.test_timeout_s": "(0, inf)",
+    "rollout.env_retries": "[0, inf)",
+    "ps.low": "[0, 1]", "ps.high": "[0, 1]", "ps.remaining_ratio": "(0, 1]",
+    "ps.prefix_ratio": "(0, 1]", "ps.remaining_cap": "[0, inf)", "ps.prefix_cap": "[0, inf)",
+    "ps.max_share": "[0, 1]", "ps.max_age": "[0, inf)", "ps.ema_alpha": "(0, 1]",
+    "ps.target": "[0, 1]", "ps.band": "[0, 1]", "ps.step_size": "(0, 1]",
+    "ps.cooldown": "[0, inf)", "ps.ratio_min": "(0, 1]", "ps.ratio_max": "(0, 1]",
+    "spo.d_half": "(0, inf)", "spo.rho_min": "(0, 1]", "spo.rho_max": "(0, 1]",
+    "spo.prior": "(0, inf)", "spo.adv_std_ddof": "[0, 1]", "spo.sampler_eps": "[0, inf)",
+    "spo.pool_size": "[0, inf)", "spo.in_flight": "[1, inf)", "spo.init_samples": "[0, inf)",
+    "learner.num_minibatches": "[1, inf)", "learner.num_microbatches": "[1, inf)",
+    "learner.temperature": "(0, inf)", "learner.seed": "[0, inf)",
+    "learner.row_buckets": "[1, inf)",
+    "learner.optim.lr": "(0, inf)", "learner.optim.warmup_steps": "[0, inf)",
+    "learner.optim.decay_steps": "[0, inf)", "learner.optim.end_lr_frac": "[0, 1]",
+    "learner.optim.b1": "[0, 1)", "learner.optim.b2": "[0, 1)", "learner.optim.eps": "(0, inf)",
+    "learner.optim.weight_decay": "[0, inf)", "learner.optim.max_grad_norm": "[0, inf)",
+    "learner.loss.eps_low": "[0, 1]", "learner.loss.eps_high": "[0, inf)",
+    "learner.loss.dual_clip": "0 | (1, inf)", "learner.loss.kl_coef": "[0, inf)",
+    "learner.loss.tis_cap": "[0, inf)",
+    "sft.steps": "[0, inf)", "sft.batch_size": "[0, inf)", "sft.lr": "[0, inf)",
+    "sft.warmup_steps": "[0, inf)", "sft.end_lr_frac": "[0, 1]", "sft.num_demos": "[0, inf)",
+    "sft.imperfect_share": "[0, 1]",
+}
+
+
+def in_range(value: float, spec: str) -> bool:
+    """Whether `value` lies in `spec` ("[0, 1)", "(0, inf)", "[1, inf) | -1", ...)."""
+    for part in spec.split("|"):
+        part = part.strip()
+        if part[0] not in "[(":
+            if value == float(part):
+                return True
+            continue
+        lo, hi = (float(x) for x in part[1:-1].split(","))
+        above = value >= lo if part[0] == "[" else value > lo
+        below = value <= hi if part[-1] == "]" else value < hi
+        if above and below:
+            return True
+    return False
+
+
+def numeric_items(config: ConfigDict, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) of every number, or tuple of numbers, in `config`."""
+    for key, value in config.items():
+        if isinstance(value, ConfigDict):
+            yield from numeric_items(value, f"{prefix}{key}.")
+        elif _is_number(value) or (isinstance(value, tuple | list) and value
+                                   and all(_is_number(v) for v in value)):
+            yield prefix + key, value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def check_values(config: ConfigDict) -> None:
+    """Every numeric key within its `RANGES` entry, and derived keys equal to their
+    sources; the error names every key out of range, its value and what is allowed."""
+    bad = [f"{key}={value!r} (allowed: {RANGES[key]})" for key, value in numeric_items(config)
+           if key in RANGES and not all(in_range(v, RANGES[key]) for v in
+                                        (value if isinstance(value, tuple | list) else (value,)))]
+    if bad:
+        raise ValueError("config values out of range: " + "; ".join(bad))
+    _check_order(config, "ps.low", "ps.high")
+    _check_order(config, "ps.ratio_min", "ps.ratio_max")
+    _check_order(config, "spo.rho_min", "spo.rho_max")
+    if config.learner.temperature != config.rollout.temperature:
+        raise ValueError(f"learner.temperature ({config.learner.temperature}) must equal "
+                         f"rollout.temperature ({config.rollout.temperature}): the learner's "
+                         "log-probs are the sampler's")
+    if config.model.hf_path and config.tokenizer.path not in ("", config.model.hf_path):
+        raise ValueError(f"tokenizer.path ({config.tokenizer.path!r}) differs from "
+                         f"model.hf_path ({config.model.hf_path!r}); set both together")
+    if config.sft.steps and min(config.sft.batch_size, config.sft.num_demos) < 1:
+        raise ValueError(f"sft.steps={config.sft.steps} needs sft.batch_size >= 1 and "
+                         f"sft.num_demos >= 1, got {config.sft.batch_size} and "
+                         f"{config.sft.num_demos}")
+
+
+def _check_order(config: ConfigDict, low_key: str, high_key: str) -> None:
+    low, high = (_get(config, k) for k in (low_key, high_key))
+    if low > high:
+        raise ValueError(f"config key {low_key} ({low}) must be <= {high_key} ({high})")
+
+
+def _get(config: ConfigDict, dotted: str) -> Any:
+    for part in dotted.split("."):
+        config = config[part]
+    return config

@@ -10,19 +10,19 @@ demonstrations, then RL with GRPO + rejection sampling and Prefix Sampling.
     python train.py --config configs/default.py:spo --workdir runs/spo         # SPO
     python train.py --config configs/default.py:seed=1,adaptive --workdir runs/ps_adaptive
 
-Options after the colon: smoke, baseline (Prefix Sampling off), spo, adaptive
-(adaptive prefix controller), seed=N, steps=N.
+Options after the colon (`OPTIONS`): smoke, baseline (Prefix Sampling off), spo,
+adaptive (adaptive prefix controller), seed=N, steps=N.
 """
 
 import ml_collections
 
 from configs import common
-from rl import learner
+
+OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, seed=0, steps=0)
 
 
 def get_config(arg=None):
-    arg = common.parse_arg(arg, smoke=False, baseline=False, spo=False, adaptive=False,
-                           seed=0, steps=0)
+    arg = common.parse_arg(arg, **OPTIONS)
     c = ml_collections.ConfigDict()
     c.seed = arg.seed
     c.total_steps = 12  # RL steps
@@ -65,12 +65,12 @@ def get_config(arg=None):
     c.ps.remaining_ratio = 0.75
     c.spo = common.spo_defaults()
 
-    c.learner = learner.default_config()
-    c.learner.seed = arg.seed
+    c.learner = common.learner_defaults()
+    c.learner.seed = c.get_ref("seed")
     # Rollouts sample at T=0.7 (at T=1 the warm-started tiny policy almost never
     # solves a task, so every group is rejected); the learner's log-probs use the
-    # same temperature, as the sampler's do.
-    c.learner.temperature = c.rollout.temperature
+    # same temperature, as the sampler's do (a reference: overriding one sets both).
+    c.learner.temperature = c.rollout.get_ref("temperature")
     c.learner.optim.lr = 5e-5
     c.learner.optim.warmup_steps = 0
     c.learner.optim.weight_decay = 0.0

@@ -9,20 +9,24 @@ parallelism and receives the trained weights through /update_weights_from_disk.
         --workdir /ckpt/grpo_swe
     python train.py --config configs/grpo_swe.py --workdir /tmp/x --dry_run
 
-Options: model (a models.qwen3 preset), model_path (HF directory), train/eval (JSONL
-of R2E-Gym or SWE-bench rows), tp (SGLang tensor parallel size), servers.
+Options (`OPTIONS`): model (a models.qwen3 preset), model_path (HF directory),
+train/eval (JSONL of R2E-Gym or SWE-bench rows), tp (SGLang tensor parallel size),
+servers, seed. The recipes built on this file pass their own option defaults, so an
+option given on the command line replaces only itself.
 """
 
 import ml_collections
 
 from configs import common
-from rl import learner
+
+OPTIONS = dict(model="qwen3-14b", model_path="/models/Qwen3-14B",
+               train="data/r2e_gym_subset.jsonl", eval="data/swe_bench_verified.jsonl", tp=2,
+               servers=4, seed=0)
 
 
-def get_config(arg=None):
-    arg = common.parse_arg(arg, model="qwen3-14b", model_path="/models/Qwen3-14B",
-                           train="data/r2e_gym_subset.jsonl",
-                           eval="data/swe_bench_verified.jsonl", tp=2, servers=4, seed=0)
+def get_config(arg=None, options=OPTIONS):
+    """`options`: the option defaults (a recipe's own, e.g. its model)."""
+    arg = common.parse_arg(arg, **options)
     c = ml_collections.ConfigDict()
     c.seed = arg.seed
     c.total_steps = 200
@@ -55,9 +59,9 @@ def get_config(arg=None):
     c.ps = common.prefix_defaults(enabled=False)
     c.spo = common.spo_defaults()
 
-    c.learner = learner.default_config()
-    c.learner.seed = arg.seed
-    c.learner.temperature = c.rollout.temperature
+    c.learner = common.learner_defaults()
+    c.learner.seed = c.get_ref("seed")
+    c.learner.temperature = c.rollout.get_ref("temperature")
     c.learner.num_minibatches = 4
     c.learner.num_microbatches = 16
     c.learner.optim.lr = 1e-6

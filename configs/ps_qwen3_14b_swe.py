@@ -10,9 +10,11 @@ queued prefix tasks up to half the batch, run in the step after their source.
 
 from configs import grpo_swe
 
+OPTIONS = grpo_swe.OPTIONS
+
 
 def get_config(arg=None):
-    c = grpo_swe.get_config(arg)
+    c = grpo_swe.get_config(arg, OPTIONS)
     c.ps.enabled = True
     c.ps.low, c.ps.high = 0.3, 0.7
     c.ps.remaining_ratio, c.ps.prefix_ratio = 0.25, 0.25

@@ -11,10 +11,12 @@ to step ~410: raise `total_steps` to match).
 
 from configs import grpo_swe
 
+OPTIONS = {**grpo_swe.OPTIONS, "model": "qwen3-32b", "model_path": "/models/Qwen3-32B",
+           "tp": 4, "servers": 2}
+
 
 def get_config(arg=None):
-    arg = arg or "model=qwen3-32b,model_path=/models/Qwen3-32B,tp=4,servers=2"
-    c = grpo_swe.get_config(arg)
+    c = grpo_swe.get_config(arg, OPTIONS)
     c.total_steps = 100
     c.ps.enabled = True
     c.ps.adaptive = True

@@ -11,10 +11,12 @@ collected as a single stream (first B finished are trained, the rest carry over)
 
 from configs import grpo_swe
 
+OPTIONS = {**grpo_swe.OPTIONS, "model": "qwen3-8b", "model_path": "/models/Qwen3-8B",
+           "tp": 1, "servers": 8}
+
 
 def get_config(arg=None):
-    arg = arg or "model=qwen3-8b,model_path=/models/Qwen3-8B,tp=1,servers=8"
-    c = grpo_swe.get_config(arg)
+    c = grpo_swe.get_config(arg, OPTIONS)
     c.algo = "spo"
     c.group_size = 1
     c.batch_tasks = 256

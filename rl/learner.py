@@ -33,36 +33,6 @@ from rl import loss as losses
 from rl.batch import Batch
 
 
-def default_config() -> ml_collections.ConfigDict:
-    """The learner section of a run config, with defaults."""
-    c = ml_collections.ConfigDict()
-    c.num_minibatches = 1     # optimizer updates per train_step (rows split evenly)
-    c.num_microbatches = 1    # gradient-accumulation chunks per mini-batch
-    c.temperature = 1.0       # log-probs of log_softmax(logits / T): the sampler's T
-    c.logprob_impl = None     # kernels.logprob implementation; None picks per backend
-    c.seed = 0
-    c.optim = ml_collections.ConfigDict(dict(
-        lr=1e-6,
-        warmup_steps=0,       # linear warmup from 0 over this many optimizer updates
-        schedule="constant",  # after warmup: "constant" or "cosine"
-        decay_steps=0,        # cosine: updates from the end of warmup to the final lr
-        end_lr_frac=0.0,      # cosine: final lr as a fraction of lr
-        b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01,
-        max_grad_norm=1.0,    # global-norm clipping; 0 = off
-    ))
-    c.loss = ml_collections.ConfigDict(dict(
-        name="ppo",           # rl.loss.TOKEN_LOSSES: "ppo" or "sft"
-        agg="token-mean",     # rl.loss.AGGREGATIONS
-        eps_low=0.2, eps_high=0.28,
-        dual_clip=0.0,        # c > 1 bounds the loss of negative-advantage tokens; 0 = off
-        kl="none",            # "none", "k1", "k2", "k3", "k3plus" or "exact"
-        kl_coef=0.0,
-        old_logprobs="sampler",  # PPO ratio vs "sampler" log-probs or the "learner"'s own
-        tis_cap=0.0,          # truncated importance weight cap (needs old_logprobs="learner")
-    ))
-    return c
-
-
 @flax.struct.dataclass
 class TrainState:
     """params: pure dict of parameter arrays (nnx.merge(graphdef, params) is the model);

@@ -37,9 +37,12 @@ log = logging.getLogger(__name__)
 
 
 def check_config(config) -> None:
-    """Combinations that no single section can check; each error names the keys."""
+    """Every numeric key's range (configs.common.check_values), then combinations that no
+    single section can check; each error names the keys."""
+    from configs import common
     from rl import advantages, loss
 
+    common.check_values(config)
     if config.algo not in ("grpo", "spo"):
         raise ValueError(f"algo must be 'grpo' or 'spo', got {config.algo!r}")
     if config.algo == "grpo":

@@ -18,6 +18,7 @@ SETUP = textwrap.dedent("""
     import numpy as np
     from flax import nnx
 
+    from configs import common
     from models.qwen3 import Qwen3, Qwen3Config
     from models.sharding import make_mesh
     from rl import learner
@@ -27,7 +28,7 @@ SETUP = textwrap.dedent("""
                        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
                        rms_norm_eps=1e-6, tie_word_embeddings=True,
                        max_position_embeddings=256)
-    CFG = learner.default_config()
+    CFG = common.learner_defaults()
     CFG.optim.lr = 1e-2
     CFG.num_minibatches = 2
     MESH = make_mesh(data=2, fsdp=2, tensor=2)

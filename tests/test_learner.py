@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs import common
 from models.qwen3 import Qwen3, Qwen3Config
 from models.sharding import make_mesh
 from rl import learner
@@ -20,7 +21,7 @@ TINY = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_la
 
 
 def make_cfg(**loss):
-    cfg = learner.default_config()
+    cfg = common.learner_defaults()
     cfg.optim.lr = 1e-2
     cfg.temperature = 0.7
     cfg.loss.update(loss)

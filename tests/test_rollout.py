@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs.common import learner_defaults
 from env import episode as episode_lib
 from env import miniswe
 from inference.embedded import EmbeddedEngine
@@ -20,7 +21,7 @@ from inference.engine import Engine
 from models.qwen3 import Qwen3, Qwen3Config
 from models.tokenizer import render_chat, train_bpe
 from rl import prefix, setup
-from rl.learner import default_config, init_train_state, make_train_step
+from rl.learner import init_train_state, make_train_step
 from rl.rollout import Agent, RolloutConfig, RolloutJob, StreamCollector, collect_groups
 
 TASKS = miniswe.generate_tasks(6, seed=7, difficulties=(0, 1))
@@ -200,7 +201,7 @@ def test_replayed_tokens_do_not_influence_the_update(model, tokenizer, factory):
     perturbed = dataclasses.replace(cont, turns=[
         dataclasses.replace(t, action_logprobs=list(np.full(len(t.action_ids), -3.0)))
         if t.replayed else t for t in cont.turns])
-    cfg = default_config()
+    cfg = learner_defaults()
     graphdef, state0 = init_train_state(model, cfg)
     step = make_train_step(graphdef, cfg)
     outs = []

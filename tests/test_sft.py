@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs import common
 from models.qwen3 import Qwen3, Qwen3Config
 from rl import learner, sft
 from rl.batch import unpack
@@ -26,7 +27,7 @@ def demo(i):
 
 
 def test_sft_is_cross_entropy_on_assistant_tokens_and_learns():
-    cfg = learner.default_config()
+    cfg = common.learner_defaults()
     cfg.optim.lr = 3e-2
     graphdef, state = learner.init_train_state(Qwen3(TINY, rngs=nnx.Rngs(0)), cfg)
     demos = [demo(i) for i in range(8)]
