@@ -5,9 +5,10 @@
     python train.py --config configs/ps_qwen3_14b_swe.py --workdir gs://... --dry_run
 
 Reads top to bottom: config -> mesh -> tasks -> tokenizer -> model -> learner ->
-engine -> environment -> resume or SFT warm start -> loop {collect, Prefix
-Sampling / SPO bookkeeping, advantages, batch, train_step, weight sync, eval,
-metrics, checkpoint}. Rerunning the same command resumes from the workdir.
+engine -> environment -> algorithm (rl.algos) -> resume or SFT warm start -> KL
+reference -> loop {collect, advantages, batch, train_step, the algorithm's
+bookkeeping, weight sync, eval, metrics, checkpoint}. Rerunning the same command
+resumes from the workdir.
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ from flax import nnx
 from configs import common
 from env.tasks import Task
 from models import sharding
-from rl import advantages as adv_lib
-from rl import learner, prefix, setup, sft, spo
-from rl.batch import pack_trajectories, unpack
+from rl import algos, distributed, learner, setup, sft
+from rl.batch import pack_trajectories
 from rl.checkpoint import Checkpointer
 from rl.metrics import MetricWriter
-from rl.rollout import Agent, RolloutConfig, RolloutJob, StreamCollector, collect_groups
-from rl.sampler import TaskSampler
+from rl.reference import Reference
+from rl.rollout import Agent, RolloutConfig, RolloutJob
 
 log = logging.getLogger("train")
 
@@ -62,9 +62,12 @@ def main(argv=None) -> None:
     # ------------------------------------------------------------------ config
     config = common.load_config(args.config)
     config = common.apply_overrides(config, common.parse_overrides(args.set))
+    distributed.initialize(config.distributed)  # before anything touches a device
     setup.check_config(config)
+    distributed.check_supported(config)
     if args.dry_run:
-        print(json.dumps(setup.dry_run(config), indent=1))
+        print(json.dumps({**setup.dry_run(config), "layout": distributed.layout(config.mesh)},
+                         indent=1))
         return
     workdir = os.path.abspath(args.workdir)
     if args.eval_only and not os.path.isdir(os.path.join(workdir, "ckpt")):
@@ -72,7 +75,7 @@ def main(argv=None) -> None:
     if args.eval_out and not args.eval_only:
         p.error("--eval_out needs --eval_only")
     os.makedirs(workdir, exist_ok=True)
-    if not args.eval_only:  # (an evaluation leaves the run's own config in place)
+    if not args.eval_only and distributed.is_primary():  # (an evaluation leaves it as it is)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=1))
     asyncio.run(run(config, workdir, eval_only=args.eval_only,
@@ -85,6 +88,8 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
     (into eval_out if given)."""
     # ------------------------------------------------------------------ mesh
     mesh = sharding.make_mesh(**config.mesh)
+    if jax.process_count() > 1:
+        log.info("layout: %s", json.dumps(distributed.layout(config.mesh)))
 
     # ------------------------------------------------------------------ tasks
     train_tasks, eval_tasks = setup.tasks(config.env)
@@ -105,6 +110,8 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
     row_multiple = learner.row_multiple(config.learner, mesh)
     pack = functools.partial(pack_trajectories, buckets=config.learner.row_buckets,
                              row_multiple=row_multiple, pad_id=tokenizer.pad_id)
+    score = learner.make_score(compute_logprobs, buckets=config.learner.row_buckets,
+                               row_multiple=row_multiple, pad_id=tokenizer.pad_id)
 
     # ------------------------------------------------------------------ engine
     engine = setup.engine(config, graphdef, state.params, workdir, model_cfg)
@@ -116,24 +123,22 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
                   max_concurrent_envs=config.env.max_concurrent,
                   tools_in_prompt=config.env.tools_in_prompt)
 
-    # ------------------------------------------------------------------ host state
-    np_rng = np.random.default_rng([config.seed, 1])
-    sampler = TaskSampler(train_tasks, seed=config.seed)
-    task_by_id = {t.instance_id: t for t in train_tasks}
-    ps_cfg = setup.prefix_config(config.ps)
-    queue = prefix.PrefixQueue(max_age=ps_cfg.max_age)
-    controller = prefix.AdaptiveController.from_config(ps_cfg)
-    tracker = spo.BetaTracker(**setup.tracker_kwargs(config.spo))
-    spo_sampler = spo.PrioritizedSampler(tracker, seed=config.seed, eps=config.spo.sampler_eps)
-
-    def host_state(step: int) -> dict:
-        return {"step": step, "sampler": sampler.state_dict(), "queue": queue.state_dict(),
-                "controller": controller.state_dict(), "tracker": tracker.state_dict(),
-                "spo_sampler": spo_sampler.state_dict(),
-                "np_rng": np_rng.bit_generator.state}
+    # ------------------------------------------------------------------ algorithm
+    algo = algos.build(algos.Context(config, agent, train_tasks, score))
 
     # ------------------------------------------------------------------ resume or warm start
     ckpt = Checkpointer(workdir, keep=config.ckpt_keep)
+    sync_weights = functools.partial(distributed.sync_weights, engine,
+                                     shared_servers=config.engine.kind == "sglang")
+
+    def save(step: int, state) -> None:
+        """Checkpoint `step` (every process calls it); the host state, replicated on
+        every process, is checked identical first and written once."""
+        host = {"step": step, **algo.state_dict()}
+        log.info("host state at step %d: %s", step,
+                 distributed.check_consistent(host, f"step {step}"))
+        ckpt.save(step, state, host)
+
     if eval_only:
         try:
             await evaluate_checkpoint(config, ckpt, graphdef, state, mesh, engine, agent,
@@ -144,92 +149,73 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
         return
     writer = MetricWriter(workdir)
     first_step = 0
-    if ckpt.latest_step() is not None:
+    resumed = ckpt.latest_step() is not None
+    if resumed:
         state, host = restore(config, ckpt, ckpt.latest_step(), graphdef, state, mesh)
         first_step = int(host["step"])
-        sampler.load_state_dict(host["sampler"])
-        queue.load_state_dict(host["queue"])
-        controller.load_state_dict(host["controller"])
-        tracker.load_state_dict(host["tracker"])
-        spo_sampler.load_state_dict(host["spo_sampler"])
-        np_rng.bit_generator.state = host["np_rng"]
-        log.info("resumed from %s at step %d", ckpt.directory, first_step)
-        await engine.update_weights(setup.engine_params(state.params))
+        algo.load_state_dict(host)
+        log.info("resumed from %s at step %d (host state %s)", ckpt.directory, first_step,
+                 distributed.check_consistent({"step": first_step, **algo.state_dict()},
+                                              f"resume at step {first_step}"))
+        await sync_weights(state.params)
     elif config.sft.steps:
         state = await warm_start(config, agent, train_tasks, graphdef, state, mesh, writer)
-        await engine.update_weights(setup.engine_params(state.params))
-        ckpt.save(0, state, host_state(0))
+        await sync_weights(state.params)
+        save(0, state)
+    reference = kl_reference(config, workdir, resumed, ckpt, graphdef, state, mesh,
+                             compute_logprobs)
+
+    def learn(state, kept, advs):
+        """One learner update on the kept trajectories; (state, metrics)."""
+        batch, info = pack(kept, advs)
+        ref_params = None
+        if reference is not None:
+            batch, ref_params = reference.train_inputs(batch)
+        state, step_metrics = train_step(state, batch, ref_params)
+        metrics = {f"learner/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
+        return state, {**metrics, **info.stats()}
 
     # ------------------------------------------------------------------ train loop
     async def rl_loop(state):
-        collector = None
-        if config.algo == "spo":
-            collector = StreamCollector(agent, setup.spo_job_stream(
-                spo_sampler, [t.instance_id for t in train_tasks], task_by_id,
-                config.batch_tasks, np_rng), in_flight=config.spo.in_flight)
         if first_step == 0 and not os.path.exists(os.path.join(workdir, "eval_0.json")):
             # (A workdir seeded with a shared warm start already holds its step-0 eval.)
             await evaluate(config, agent, eval_tasks, writer, 0, workdir)
+        if not algo.started:
+            t0 = time.perf_counter()
+            with setup.progress(0, "offline start") as bar:
+                start_metrics = await algo.start(bar.update)
+            start_metrics["time/start_s"] = time.perf_counter() - t0
+            writer.write_scalars(first_step, start_metrics)
+            log.info("offline start: %s", json.dumps(start_metrics))
         for step in range(first_step + 1, config.total_steps + 1):
             t_step = time.perf_counter()
-            metrics: dict[str, float] = {}
             agent.policy_version = step - 1
             # -- collect
             t0 = time.perf_counter()
-            if config.algo == "grpo":
-                jobs = [RolloutJob(task_by_id[pt.task_id], prefix=pt, seed=_job_seed(step, i))
-                        for i, pt in enumerate(queue.take(step, config.batch_tasks,
-                                                          ps_cfg.max_share)
-                                               if config.ps.enabled else [])]
-                jobs += [RolloutJob(task, seed=_job_seed(step, len(jobs) + i))
-                         for i, task in enumerate(sampler.next(config.batch_tasks - len(jobs)))]
-                with setup.progress(len(jobs) * config.group_size, f"step {step} rollouts") as bar:
-                    groups = await collect_groups(agent, jobs, config.group_size, bar.update)
-                trajs = [t for g in groups for t in g]
-            else:
-                with setup.progress(config.batch_tasks, f"step {step} rollouts") as bar:
-                    trajs = await collector.collect(config.batch_tasks, bar.update)
-                groups = [[t] for t in trajs]
-            metrics["time/rollout_s"] = time.perf_counter() - t0
-            metrics.update(setup.rollout_metrics(trajs, groups))
-            # -- Prefix Sampling / SPO bookkeeping, advantages
-            if config.algo == "grpo":
-                if config.ps.enabled:
-                    ps_step = prefix.build_prefix_tasks(groups, step, ps_cfg, controller, np_rng)
-                    queue.push(ps_step.tasks)
-                    metrics.update(prefix.prefix_metrics(ps_step, groups, controller, queue))
-                kept, advs, rejected = adv_lib.group_advantages(
-                    groups, config.advantage, config.reject_degenerate)
-                metrics["train/rejected_groups"] = rejected
-            else:
-                kept, advs = await spo_advantages(state, trajs, tracker, compute_logprobs,
-                                                  pack, metrics)
-            metrics["train/trajectories"] = len(kept)
-            # -- learner
+            with setup.progress(algo.rollouts_per_step, f"step {step} rollouts") as bar:
+                groups = await algo.collect(step, bar.update)
+            trajs = [t for g in groups for t in g]
+            metrics = {"time/rollout_s": time.perf_counter() - t0,
+                       **setup.rollout_metrics(trajs, groups)}
+            # -- advantages, learner, the algorithm's bookkeeping under the new policy
+            kept, advs, algo_metrics = algo.advantages(step, groups)
+            metrics.update(algo_metrics, **{"train/trajectories": len(kept)})
             t0 = time.perf_counter()
             if kept:
-                batch, info = pack(kept, advs)
-                state, step_metrics = await asyncio.to_thread(train_step, state, batch)
-                metrics.update({f"learner/{k}": float(v)
-                                for k, v in jax.device_get(step_metrics).items()})
-                metrics.update(info.stats())
-                if config.algo == "spo":
-                    windows = [spo.drift_window(*t.token_arrays()[:2], tracker.max_stored_tokens)
-                               for t in kept]
-                    scores = score_windows(compute_logprobs, pack, state.params, windows)
-                    for traj, (ids, mask), lp in zip(kept, windows, scores, strict=True):
-                        tracker.store_response(traj.task_id, ids, lp, mask)
+                state, learner_metrics = await asyncio.to_thread(learn, state, kept, advs)
+                metrics.update(learner_metrics)
+                metrics.update(await algo.after_update(step, state.params))
             metrics["time/learner_s"] = time.perf_counter() - t0
             # -- weight sync
             t0 = time.perf_counter()
-            await engine.update_weights(setup.engine_params(state.params))
+            await sync_weights(state.params)
             metrics["time/sync_s"] = time.perf_counter() - t0
             metrics["time/step_s"] = time.perf_counter() - t_step
-            gen = sum(t.num_generated_tokens for t in trajs)
-            # Per second of the phase that generated them: the rollout phase in group mode;
-            # the whole step in stream mode, whose generation overlaps the learner.
-            gen_s = metrics["time/rollout_s"] if config.algo == "grpo" else metrics["time/step_s"]
-            metrics["rollout/generated_tokens_per_s"] = gen / max(gen_s, 1e-9)
+            # Per second of the phase that generated the tokens: the rollout phase, or
+            # the whole step when generation overlaps the learner (a stream).
+            gen_s = metrics["time/step_s"] if algo.stream else metrics["time/rollout_s"]
+            metrics["rollout/generated_tokens_per_s"] = sum(
+                t.num_generated_tokens for t in trajs) / max(gen_s, 1e-9)
             # -- eval, metrics, checkpoint
             if step % config.eval_every == 0 or step == config.total_steps:
                 metrics.update(await evaluate(config, agent, eval_tasks, None, step, workdir))
@@ -238,24 +224,44 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             if step % config.log_texts_every == 0 and trajs:
                 writer.write_texts(step, {"rollout/sample": tokenizer.decode(
                     trajs[0].token_arrays()[0])})
-            print(setup.console_line(step, metrics), flush=True)
+            if distributed.is_primary():
+                print(setup.console_line(step, metrics), flush=True)
             if step % config.ckpt_every == 0 or step == config.total_steps:
-                ckpt.save(step, state, host_state(step))
-        if collector is not None:
-            await collector.close()
+                save(step, state)
         return state
 
     try:
         state = await rl_loop(state)
     finally:
+        await algo.close()
         ckpt.wait()
         ckpt.close()
         writer.close()
         engine.close()
 
 
-def _job_seed(step: int, index: int) -> int:
-    return step * 100_003 + index
+def kl_reference(config, workdir: str, resumed: bool, ckpt: Checkpointer, graphdef, state,
+                 mesh, compute_logprobs) -> Reference | None:
+    """The KL anchor when learner.loss.kl is on: the policy a fresh run starts from,
+    saved in workdir/reference; a resumed run loads it from there (a workdir seeded
+    with a warm-start checkpoint only takes that step-0 checkpoint's parameters)."""
+    kl = config.learner.loss.kl
+    if kl == "none":
+        return None
+    path = os.path.join(workdir, "reference")
+    if resumed and os.path.exists(path):
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
+        return Reference(Reference.load_params(path, abstract), kl, compute_logprobs, mesh)
+    if resumed:
+        if 0 not in ckpt.all_steps():
+            raise FileNotFoundError(f"learner.loss.kl={kl!r}: no reference policy in {path} "
+                                    "and no step-0 checkpoint to take it from")
+        state = restore(config, ckpt, 0, graphdef, state, mesh)[0]
+        log.info("KL reference: the step-0 checkpoint's parameters")
+    reference = Reference(state.params, kl, compute_logprobs, mesh)
+    reference.save(path)
+    return reference
 
 
 async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter | None,
@@ -263,16 +269,19 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
     """Held-out pass rate: one rollout per task at the eval temperature, saved with each
     task's reward at `path` (default workdir/eval_{step}.json), and every episode's
     decoded conversation beside it (`..._transcripts.jsonl`). Written by `writer` if
-    given (else the caller writes the returned scalars with its own)."""
+    given (else the caller writes the returned scalars with its own). Over several
+    processes, each runs its share of the tasks and process 0 writes the whole."""
     eval_agent = agent.with_sampling(temperature=config.eval_temperature)
     jobs = [RolloutJob(t, seed=i) for i, t in enumerate(tasks)]
     with setup.progress(len(jobs), f"eval @ {step}") as bar:
-        groups = await collect_groups(eval_agent, jobs, 1, bar.update)
+        groups = await distributed.collect_groups(eval_agent, jobs, 1, bar.update)
     scored = [g[0].reward for g in groups if not g[0].is_env_error]
     out = {"eval/pass_rate": float(np.mean(scored)) if scored else float("nan"),
            "eval/env_errors": float(len(groups) - len(scored))}
     if writer is not None:
         writer.write_scalars(step, out)
+    if not distributed.is_primary():
+        return out
     path = path or os.path.join(workdir, f"eval_{step}.json")
     with open(path, "w") as f:
         json.dump({"step": step, **out, "rewards": {g[0].task_id: g[0].reward for g in groups}},
@@ -304,7 +313,7 @@ async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh,
     if step is None:
         raise FileNotFoundError(f"--eval_only: no checkpoint in {ckpt.directory}")
     state, _ = restore(config, ckpt, step, graphdef, state, mesh)
-    await engine.update_weights(setup.engine_params(state.params))
+    await distributed.sync_weights(engine, state.params, config.engine.kind == "sglang")
     await evaluate(config, agent, tasks, None, step, workdir,
                    path or os.path.join(workdir, f"eval_only_{step}_{len(tasks)}tasks.json"))
 
@@ -337,36 +346,6 @@ async def warm_start(config, agent: Agent, train_tasks, graphdef, state, mesh,
     _, state = learner.init_train_state(nnx.merge(graphdef, sft_state.params), config.learner,
                                         mesh)
     return state
-
-
-async def spo_advantages(state, trajs, tracker: spo.BetaTracker, compute_logprobs, pack,
-                         metrics: dict[str, float]):
-    """SPO: baseline v from the tracker before this batch, drift D of each prompt's stored
-    response, tracker update, then batch-normalised advantages (rl.spo)."""
-    scored = [t for t in trajs if not t.is_env_error and t.reward is not None]
-    if not scored:
-        return [], np.zeros(0)
-    ids = [t.task_id for t in scored]
-    rewards = np.array([t.reward for t in scored], np.float64)
-    v_before = tracker.values(ids)
-    pending = tracker.pending_d_requests(ids)
-    scores = score_windows(compute_logprobs, pack, state.params,
-                           [(r.ids, r.mask) for r in pending.values()])
-    D = tracker.drift(ids, dict(zip(pending, scores, strict=True)))
-    tracker.update(ids, rewards, D=D if tracker.rho_type == "kl" else None)
-    metrics.update({"spo/v_mean": float(v_before.mean()), "spo/drift_mean": float(D.mean()),
-                    "spo/rho_mean": float(tracker.rho(D).mean()), "spo/tracked": len(tracker)})
-    return scored, spo.spo_advantages(rewards, v_before)
-
-
-def score_windows(compute_logprobs, pack, params, windows) -> list[np.ndarray]:
-    """Log-probs of each (ids, mask) window scored alone from position 0; the same
-    function before and after an update, so SPO's drift D compares like with like."""
-    if not windows:
-        return []
-    batch, info = pack([setup.window_trajectory(ids, mask) for ids, mask in windows],
-                       np.zeros(len(windows)))
-    return unpack(np.asarray(compute_logprobs(params, batch)), info)
 
 
 if __name__ == "__main__":

@@ -146,7 +146,8 @@ def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:
         enabled=enabled, low=0.3, high=0.7, remaining_ratio=0.25, prefix_ratio=0.25,
         remaining_cap=0, prefix_cap=0,  # 0 = uncapped
         max_share=0.5, max_age=2, reprefix=False, adaptive=adaptive, ema_alpha=0.05,
-        target=0.5, band=0.03, step_size=0.05, cooldown=5, ratio_min=0.05, ratio_max=0.95))
+        target=0.5, band=0.03, step_size=0.05, cooldown=5, ratio_min=0.05, ratio_max=0.95,
+        replay="patch"))  # or "reexec": re-run the prefix's tool calls
 
 
 def spo_defaults() -> ConfigDict:
@@ -154,13 +155,20 @@ def spo_defaults() -> ConfigDict:
 
     in_flight: rollouts kept running at once by the single-stream collector (more
       than batch_tasks; the surplus carries over to the next step).
-    init_samples: n0 offline samples per prompt before training (0 = start from prior).
-    init_form: "reference" (alpha0 = N0 (s+0.5)/(n0+1), the default) or "paper".
+    pool_size: candidate prompts, the first pool_size training tasks (0 = all).
+    init_samples: n0 offline rollouts per pool prompt with the initial policy before RL
+      (0 = none); init_values: or a JSONL file of {"task_id", "successes", "n"}.
+    init_form: "reference" (alpha0 = N0 (s+0.5)/(n0+1), the official code's and the
+      default) or "paper" (Eq. 6).
+    Choices where the official code differs (rl.spo has both): duplicates
+      ("sequential"; official "last"), adv_std_ddof (1, official), prior and unseen
+      ((1, 1) and "draw"; official (0.5, 0.5) and "skip": prompts without an offline
+      value are never drawn).
     """
     return ConfigDict(dict(
         rho_type="kl", d_half=0.06, rho_min=0.875, rho_max=0.96, prior=(1.0, 1.0),
-        max_stored_tokens=512, sampler_eps=0.05, pool_size=0, in_flight=96,
-        init_samples=0, init_form="reference"))
+        sampler_eps=0.05, pool_size=0, in_flight=96, init_samples=0, init_values="",
+        init_form="reference", duplicates="sequential", adv_std_ddof=1, unseen="draw"))
 
 
 def learner_defaults() -> ConfigDict:

@@ -30,7 +30,7 @@ from kernels.kl import api as kl_api
 from kernels.logprob.api import token_logprobs
 from models import sharding
 from rl import loss as losses
-from rl.batch import Batch
+from rl.batch import Batch, pack_arrays, unpack
 
 
 @flax.struct.dataclass
@@ -217,6 +217,31 @@ def make_compute_logprobs(graphdef, cfg, mesh: Mesh | None = None):
         return compute_logprobs(params, batch)
 
     return run
+
+
+def make_score(compute_logprobs, *, buckets, row_multiple: int = 1, pad_id: int = 0):
+    """`score(params, [(ids[T], mask[T]), ...]) -> [logp[T'], ...]`: each token stream
+    scored whole and in its context (positions from 0) by `compute_logprobs`, packed like
+    a training batch; logp is 0 where mask is 0, T' = min(T, max(buckets))."""
+
+    def score(params, seqs) -> list[np.ndarray]:
+        if not seqs:
+            return []
+        batch, info = pack_arrays([(ids, mask, np.zeros(len(ids), np.float32))
+                                   for ids, mask in seqs], np.zeros(len(seqs)),
+                                  buckets=buckets, row_multiple=row_multiple, pad_id=pad_id)
+        return unpack(np.asarray(jax.device_get(compute_logprobs(params, batch))), info)
+
+    return score
+
+
+def with_ref_logprobs(batch: Batch, compute_logprobs, ref_params, mesh: Mesh | None = None
+                      ) -> Batch:
+    """The batch on the mesh with `ref_logprobs` [R, L]: the reference policy's log-probs
+    of its tokens (through the logprob kernel; 0 off the loss mask)."""
+    if isinstance(batch.tokens, np.ndarray):
+        batch = shard_batch(batch, mesh)
+    return batch.replace(ref_logprobs=compute_logprobs(ref_params, batch))
 
 
 # --------------------------------------------------------------------------- train step

@@ -64,6 +64,9 @@ class PrefixConfig:
     adaptive: EMA controller moves the two ratios (seed: on in the 32B recipe).
     ema_alpha, ema_init, target, band, step_size, cooldown, ratio_min, ratio_max: the
       controller (seed: 0.05, -, 0.5, 0.03, 0.05, 5, 0.05, 0.95); see AdaptiveController.
+    replay: how a prefix task's code state is restored: "patch" (apply the source's diff
+      after step k; fast) or "reexec" (re-run its k tool calls, logging observations that
+      differ from the recorded ones); a prefix that cannot be restored is an env_error.
     """
 
     low: float = 0.3
@@ -84,8 +87,11 @@ class PrefixConfig:
     cooldown: int = 5
     ratio_min: float = 0.05
     ratio_max: float = 0.95
+    replay: str = "patch"
 
     def __post_init__(self):
+        if self.replay not in ("patch", "reexec"):
+            raise ValueError(f"replay must be 'patch' or 'reexec', got {self.replay!r}")
         if not 0.0 <= self.low <= self.high <= 1.0:
             raise ValueError(f"need 0 <= low <= high <= 1, got low={self.low} high={self.high}")
         if not 0.0 <= self.max_share <= 1.0:

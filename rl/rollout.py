@@ -31,6 +31,7 @@ import concurrent.futures
 import copy
 import dataclasses
 import functools
+import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -43,6 +44,8 @@ from inference.engine import Engine, EngineError, GenerateRequest
 from models.tokenizer import TOOL_CALL_END, Tokenizer
 from rl.prefix import PrefixTask
 from rl.types import Trajectory, Turn
+
+log = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = (
     "You are a programming agent. Fix the issue in the repository by calling tools. "
@@ -75,9 +78,13 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutJob:
+    """One rollout to run. replay: how a prefix's state is restored, "patch" (apply the
+    recorded diff of step k) or "reexec" (re-run the k tool calls); env.episode.restore."""
+
     task: Task
     prefix: PrefixTask | None = None  # start from step k of a source (replayed)
     seed: int = 0
+    replay: str = "patch"
 
 
 SandboxFactory = Callable[[Task], object]
@@ -188,8 +195,11 @@ class Agent:
         p = job.prefix
         records = [episode_lib.StepRecord(t.tool_call, t.observation, t.patch)
                    for t in p.turns]
-        episode, _ = episode_lib.restore(job.task, records, p.k, self.sandbox_factory,
-                                         **kwargs)
+        episode, mismatches = episode_lib.restore(job.task, records, p.k, self.sandbox_factory,
+                                                  reexec=job.replay == "reexec", **kwargs)
+        if mismatches:
+            log.warning("replay of %s to step %d: %d re-executed observations differ from "
+                        "the recorded ones", p.source_uid, p.k, len(mismatches))
         traj.turns = [dataclasses.replace(t, replayed=True) for t in p.turns]
         traj.prefix = p.info
         # The source's own ids for the observation after step k: the restored prompt is
@@ -271,7 +281,8 @@ class StreamCollector:
     stored sampler log-probs keep the importance ratio correct.
     """
 
-    def __init__(self, agent: Agent, next_job: Callable[[], RolloutJob], in_flight: int):
+    def __init__(self, agent: Agent, next_job: Callable[[], RolloutJob | None],
+                 in_flight: int):
         if in_flight < 1:
             raise ValueError(f"in_flight must be >= 1, got {in_flight}")
         self.agent = agent
@@ -281,13 +292,18 @@ class StreamCollector:
 
     def _top_up(self) -> None:
         while len(self._running) < self.in_flight:
-            self._running.add(asyncio.create_task(self.agent.run(self.next_job())))
+            job = self.next_job()
+            if job is None:  # a finite stream has run out
+                return
+            self._running.add(asyncio.create_task(self.agent.run(job)))
 
     async def collect(self, batch_size: int,
                       progress: Callable[[int], None] | None = None) -> list[Trajectory]:
         done: list[Trajectory] = []
         while len(done) < batch_size:
             self._top_up()
+            if not self._running:  # a finite stream, all of it collected
+                break
             finished, self._running = await asyncio.wait(
                 self._running, return_when=asyncio.FIRST_COMPLETED)
             for task in finished:

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tqdm
 from flax import nnx
@@ -26,10 +25,10 @@ from env import miniswe
 from env.tasks import Task, load_tasks
 from models import qwen3
 from models.tokenizer import Tokenizer, train_bpe
-from rl import learner, prefix
-from rl.rollout import Agent, RolloutJob
+from rl import distributed, learner, prefix
+from rl.rollout import ENGINE_ERROR, Agent
 from rl.sampler import TaskSampler
-from rl.types import Trajectory, Turn
+from rl.types import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +60,6 @@ def check_config(config) -> None:
         raise ValueError(f"the longest learner.row_buckets ({max(config.learner.row_buckets)}) "
                          f"must hold rollout.max_context ({config.rollout.max_context})")
     loss.check_config(config.learner.loss)
-    if config.learner.loss.kl != "none":
-        raise ValueError(f"learner.loss.kl={config.learner.loss.kl!r} needs the reference "
-                         "policy's log-probs (or params), which train.py does not compute; "
-                         "use 'none' (the learner's train_step takes them when called directly)")
 
 
 # ------------------------------------------------------------------ tasks
@@ -122,10 +117,13 @@ def tokenizer(config, workdir: str, train_tasks: Sequence[Task]) -> Tokenizer:
 _MODEL_KEYS = {f.name for f in dataclasses.fields(qwen3.Qwen3Config)}
 
 
-def model_config(model_cfg, vocab_size: int | None) -> qwen3.Qwen3Config:
-    """The preset with the config's overrides; from-scratch models take the tokenizer's
-    vocabulary, rounded up to a multiple of 64 (ids past it are never produced)."""
-    if model_cfg.hf_path:
+def model_config(model_cfg, vocab_size: int | None, dry_run: bool = False
+                 ) -> qwen3.Qwen3Config:
+    """The checkpoint's config.json, or the preset with the config's overrides (also for a
+    dry run on a machine without the checkpoint); from-scratch models take the
+    tokenizer's vocabulary, rounded up to a multiple of 64 (ids past it are never
+    produced)."""
+    if model_cfg.hf_path and not (dry_run and not os.path.exists(model_cfg.hf_path)):
         from models import hf_io
 
         return hf_io.load_config(model_cfg.hf_path, dtype=model_cfg.get("dtype", "float32"))
@@ -133,7 +131,7 @@ def model_config(model_cfg, vocab_size: int | None) -> qwen3.Qwen3Config:
         raise KeyError(f"unknown model preset {model_cfg.preset!r}; known: "
                        f"{sorted(qwen3.PRESETS)}")
     overrides = {k: v for k, v in model_cfg.items() if k in _MODEL_KEYS}
-    if vocab_size is not None:
+    if vocab_size is not None and not model_cfg.hf_path:
         overrides["vocab_size"] = -(-vocab_size // 64) * 64
     return dataclasses.replace(qwen3.PRESETS[model_cfg.preset], **overrides)
 
@@ -148,11 +146,6 @@ def model(model_cfg, cfg: qwen3.Qwen3Config, mesh, seed: int) -> qwen3.Qwen3:
     return qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
 
 
-def engine_params(params):
-    """A copy of the learner's parameters for the engine (train_step donates its state)."""
-    return jax.tree.map(jnp.copy, params)
-
-
 # ------------------------------------------------------------------ engine
 
 
@@ -161,7 +154,7 @@ def engine(config, graphdef, params, workdir: str, model_cfg: qwen3.Qwen3Config)
     if config.engine.kind == "embedded":
         from inference.embedded import EmbeddedEngine, options_from_config
 
-        return EmbeddedEngine((graphdef, engine_params(params)), seed=config.seed,
+        return EmbeddedEngine((graphdef, distributed.local_params(params)), seed=config.seed,
                               **options_from_config(config.engine))
     if config.engine.kind == "sglang":
         from inference import sglang
@@ -188,57 +181,6 @@ def sandbox_factory(env_cfg) -> Callable[[Task], Any]:
         if stale:
             log.info("removed %d sandbox directories of exited processes", len(stale))
     return factory(env_cfg.backend, **defaults)
-
-
-# ------------------------------------------------------------------ Prefix Sampling / SPO
-
-
-def prefix_config(ps_cfg) -> prefix.PrefixConfig:
-    fields = {f.name for f in dataclasses.fields(prefix.PrefixConfig)}
-    kw = {k: v for k, v in ps_cfg.items() if k in fields}
-    kw["remaining_cap"] = ps_cfg.remaining_cap or None
-    kw["prefix_cap"] = ps_cfg.prefix_cap or None
-    return prefix.PrefixConfig(**kw)
-
-
-def tracker_kwargs(spo_cfg) -> dict[str, Any]:
-    return dict(rho_type=spo_cfg.rho_type, d_half=spo_cfg.d_half, rho_min=spo_cfg.rho_min,
-                rho_max=spo_cfg.rho_max, rho_constant=spo_cfg.rho_min,
-                prior=tuple(spo_cfg.prior), max_stored_tokens=spo_cfg.max_stored_tokens)
-
-
-def spo_job_stream(sampler, pool: Sequence[str], task_by_id: dict[str, Task], chunk: int,
-                   rng: np.random.Generator) -> Callable[[], RolloutJob]:
-    """An endless stream of single-rollout jobs drawn by the prioritised sampler in
-    chunks of `chunk` ids (weights re-read from the tracker at every chunk)."""
-    pending: list[str] = []
-    counter = iter(range(1 << 62))
-
-    def next_job() -> RolloutJob:
-        if not pending:
-            pending.extend(sampler.sample(pool, min(chunk, len(pool))))
-        return RolloutJob(task_by_id[pending.pop(0)], seed=int(rng.integers(1 << 30))
-                          + next(counter))
-
-    return next_job
-
-
-def window_trajectory(ids, mask) -> Trajectory:
-    """A token window (ids[T], mask[T]) as a trajectory whose token_arrays() give back the
-    same ids and mask: runs of mask 0 become observations, runs of 1 actions. Lets the
-    learner's packer and compute_logprobs score SPO's stored responses."""
-    ids, mask = np.asarray(ids).tolist(), np.asarray(mask, bool)
-    turns, i = [], 0
-    while i < len(ids):
-        j = i
-        while j < len(ids) and not mask[j]:
-            j += 1
-        k = j
-        while k < len(ids) and mask[k]:
-            k += 1
-        turns.append(Turn(ids[i:j], ids[j:k], [0.0] * (k - j)))
-        i = k
-    return Trajectory(task_id="window", uid="window", turns=turns)
 
 
 # ------------------------------------------------------------------ warm start
@@ -304,6 +246,8 @@ def rollout_metrics(trajs: Sequence[Trajectory], groups: Sequence[Sequence[Traje
                                                             for t in scored]))
     for status in ("finished", "max_steps", "truncated", "timeout"):
         m[f"rollout/status_{status}"] = sum(t.status == status for t in trajs)
+    m["rollout/engine_errors"] = sum(t.is_env_error and t.error.startswith(ENGINE_ERROR)
+                                     for t in trajs)
     rewards = [[t.reward for t in g if not t.is_env_error and t.reward is not None]
                for g in groups]
     rewards = [r for r in rewards if r]
@@ -349,33 +293,30 @@ def dry_run(config) -> dict[str, Any]:
     """Builds everything that needs no remote service or weights: the model's abstract
     parameters and optimizer state, the mesh plan, Prefix Sampling / SPO state, the
     rollout budgets and (for SGLang) the server command line. Returns a summary."""
+    from inference import sglang
     from rl.rollout import RolloutConfig
 
     check_config(config)
-    vocab = None if config.model.hf_path else config.tokenizer.get("bpe_vocab_size", None)
-    if config.model.hf_path and not os.path.exists(config.model.hf_path):
-        cfg = dataclasses.replace(qwen3.PRESETS[config.model.preset],
-                                  **{k: v for k, v in config.model.items() if k in _MODEL_KEYS})
-    else:
-        cfg = model_config(config.model, vocab)
+    cfg = model_config(config.model, config.tokenizer.get("bpe_vocab_size", None), dry_run=True)
+    if config.engine.kind == "sglang":
+        sglang.check_context(config, cfg)  # before the slow part: refused up front
     abstract = nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
     _, state = learner.abstract_train_state(abstract, config.learner)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     opt_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
                     for x in jax.tree.leaves(state.opt_state))
-    RolloutConfig(**config.rollout)
-    pcfg = prefix_config(config.ps)
-    prefix.AdaptiveController.from_config(pcfg)
-    from rl import spo
+    from rl.algos import grpo_ps
+    from rl.algos import spo as spo_algo
 
-    spo.BetaTracker(**tracker_kwargs(config.spo))
+    RolloutConfig(**config.rollout)
+    prefix.AdaptiveController.from_config(grpo_ps.prefix_config(config.ps))
+    spo_algo.tracker_from_config(config.spo)
     summary = {"model": dataclasses.asdict(cfg), "params": n_params,
                "optimizer_state_bytes": opt_bytes, "mesh": dict(config.mesh),
                "algo": config.algo, "batch_tasks": config.batch_tasks,
                "group_size": config.group_size, "prefix_sampling": bool(config.ps.enabled),
                "engine": config.engine.kind, "env_backend": config.env.backend}
     if config.engine.kind == "sglang":
-        from inference import sglang
-
+        summary["placement"] = sglang.placement(config)
         summary["sglang_commands"] = [" ".join(c) for c in sglang.launch_commands(config)]
     return summary

@@ -7,26 +7,39 @@ A visit with reward r in {0, 1} first discounts old evidence, then adds the new 
     rho = clip(2 ** (-D / D_half), rho_min, rho_max)        (defaults 0.875, 0.96, 0.06)
 
 D is how far the policy moved since it last acted on the prompt: the token mean of
-|logp_then - logp_now| over that visit's stored response, logp_then taken right after
-that visit's update. First visit: D = 0, rho = rho_max.
+|logp_then - logp_now| over that visit's whole stored response (scored in its context,
+mask = the tokens the policy generated), logp_then taken right after that visit's
+update and logp_now right after this step's update. First visit: D = 0, rho = rho_max.
 
-One training step, as the trainer calls it (B task ids, one response each):
+One training step, in the official order (verl-recipe spo_ray_trainer.py; rl.algos.spo
+runs it):
 
     ids = sampler.sample(pool, B)                      # weights sqrt(v(1-v)) + 0.05
     ...one rollout per id -> rewards[B]...
     v_before = tracker.values(ids)                     # estimate before this step
     adv = spo_advantages(rewards, v_before)            # Eq. 8, then batch-normalised
-    reqs = tracker.pending_d_requests(ids)             # {id: StoredResponse}
-    logp_now = {i: score(r.ids, r.mask) for i, r in reqs.items()}   # current params
-    tracker.update(ids, rewards, D=tracker.drift(ids, logp_now))
     ...learner update with adv...
-    for each sample: w_ids, w_mask = drift_window(token_ids, loss_mask, tracker.max_stored_tokens)
-        tracker.store_response(id, w_ids, score(w_ids, w_mask), w_mask)  # updated params
+    reqs = tracker.pending_d_requests(ids)             # {id: StoredResponse}
+    logp_now = {i: score(r.ids, r.mask) for i, r in reqs.items()}   # updated params
+    tracker.update(ids, rewards, D=tracker.drift(ids, logp_now))
+    for each sample: tracker.store_response(id, ids, score(ids, mask), mask)  # updated params
 
-`score(ids, mask)` scores a window as a standalone sequence (positions from 0) with the
-same temperature as the sampler; the same function must serve both calls so that D
-compares like with like. A prompt drawn twice in one batch shares one v_before and one
-D, is updated once per sample in batch order, and keeps the last sample's response.
+Where this module's defaults differ from the official code, the official behaviour is
+one option away (config keys of the `spo` section in brackets):
+- duplicates [spo.duplicates]: a prompt drawn twice in one batch is updated once per
+  sample in batch order ("sequential", the default: no evidence is dropped). Official:
+  every sample is computed from the pre-step (alpha, beta) and the last one written
+  wins ("last").
+- advantage std [spo.adv_std_ddof]: torch's unbiased std (ddof 1), as the official code
+  (the default); ddof 0 is the population std.
+- unseen prompts [spo.prior, spo.unseen]: a prompt with no offline value starts at
+  `prior` (default Beta(1, 1), v = 0.5, the largest sampling weight) and is drawn
+  ("draw"). Official: Beta(0.5, 0.5) when no offline samples are used, and prompts
+  missing from the offline values file are never drawn ("skip").
+- offline start [spo.init_form]: the official "+0.5" form ("reference",
+  alpha0 = N0 (s + 0.5) / (n0 + 1)) or the paper's Eq. 6 ("paper"); see offline_prior.
+A prompt drawn twice in one batch shares one v_before and one D, and keeps the last
+sample's response, in both duplicate modes (as the official code does).
 
 Seed 002 reads v after each update in its worked examples: from alpha = beta = 4,
 rho = 0.875, rewards (1, 0, 1) give v = 0.5625, 0.492188, 0.555664. The advantage uses the
@@ -36,6 +49,7 @@ value before the update (Eq. 8), not Algorithm 1's in-place order.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -61,28 +75,28 @@ def policy_drift(logp_then, logp_now, mask) -> float:
     return float(np.abs(then - now)[m].sum() / n) if n else 0.0
 
 
-def drift_window(ids, mask, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """The last max_tokens tokens of a response stream (context included): what is stored
-    and rescored for D. Bounds tracker memory at ~9 bytes * max_tokens per prompt."""
-    ids, mask = np.asarray(ids), np.asarray(mask)
-    if ids.shape != mask.shape or ids.ndim != 1:
-        raise ValueError(f"ids {ids.shape} and mask {mask.shape} must be equal 1-D shapes")
-    return ids[-max_tokens:].astype(np.int32), mask[-max_tokens:].astype(bool)
+def spo_advantages(rewards, v_before, ddof: int = 1, eps: float = 1e-8) -> np.ndarray:
+    """A[B] = r - v_before, then (A - mean(A)) / (std(A) + eps) over the batch.
 
-
-def spo_advantages(rewards, v_before, eps: float = 1e-8) -> np.ndarray:
-    """A[B] = r - v_before, then (A - mean(A)) / (std(A) + eps) over the batch (ddof 0)."""
+    std with `ddof` (1: torch's unbiased std, as the official code; 0: population std);
+    a batch of one sample (no spread to measure) gets A = 0.
+    """
     r, v = np.asarray(rewards, np.float64), np.asarray(v_before, np.float64)
     if r.shape != v.shape or r.ndim != 1:
         raise ValueError(f"rewards {r.shape} and v_before {v.shape} must be equal 1-D shapes")
+    if ddof not in (0, 1):
+        raise ValueError(f"ddof must be 0 or 1, got {ddof}")
     a = r - v
-    return (a - a.mean()) / (a.std() + eps)
+    if a.size <= ddof:
+        return np.zeros_like(a)
+    return (a - a.mean()) / (a.std(ddof=ddof) + eps)
 
 
-def offline_prior(successes, n0: int, rho_min: float = 0.875,
+def offline_prior(successes, n0, rho_min: float = 0.875,
                   form: Literal["paper", "reference"] = "paper"
                   ) -> tuple[np.ndarray, np.ndarray]:
-    """(alpha0[P], beta0[P]) from s successes in n0 offline samples, N0 = 1 / (1 - rho_min).
+    """(alpha0[P], beta0[P]) from s[P] successes in n0 (int or [P]) offline samples,
+    N0 = 1 / (1 - rho_min).
 
     paper (Eq. 6, Algorithm 2; the default, and the form that reproduces seed 002's
       worked examples: s = 2 of 8 gives alpha0 = 2, beta0 = 6):
@@ -91,8 +105,10 @@ def offline_prior(successes, n0: int, rho_min: float = 0.875,
         alpha0 = N0 * (s + 0.5) / (n0 + 1), beta0 = N0 * (n0 - s + 0.5) / (n0 + 1)
     """
     s = np.asarray(successes, np.float64)
-    if n0 < 1 or np.any((s < 0) | (s > n0)):
-        raise ValueError(f"need n0 >= 1 and 0 <= successes <= n0, got n0={n0}")
+    n0 = np.broadcast_to(np.asarray(n0, np.float64), s.shape)
+    if np.any(n0 < 1) or np.any((s < 0) | (s > n0)):
+        raise ValueError(f"need n0 >= 1 and 0 <= successes <= n0, got successes {s.tolist()} "
+                         f"of n0 {n0.tolist()}")
     big_n = 1.0 / (1.0 - rho_min)
     if form == "paper":
         return big_n * s / n0, big_n * (n0 - s) / n0
@@ -101,10 +117,36 @@ def offline_prior(successes, n0: int, rho_min: float = 0.875,
     raise ValueError(f"offline init form must be 'paper' or 'reference', got {form!r}")
 
 
+def load_offline_values(path: str) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """(task_ids, successes[P], n[P]) from a JSONL file of offline samples, one line per
+    prompt: {"task_id": str, "successes": int, "n": int} (0 <= successes <= n, n >= 1).
+    Errors name the file and line."""
+    ids, succ, n = [], [], []
+    with open(path) as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                task_id, s, k = row["task_id"], row["successes"], row["n"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{line_no}: need a JSON object with task_id, "
+                                 f"successes and n ({e!r})") from None
+            if not isinstance(task_id, str) or not 0 <= int(s) <= int(k) or int(k) < 1:
+                raise ValueError(f"{path}:{line_no}: need a str task_id and "
+                                 f"0 <= successes <= n, n >= 1; got {row}")
+            ids.append(task_id)
+            succ.append(int(s))
+            n.append(int(k))
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: a task_id appears more than once")
+    return ids, np.array(succ, np.int64), np.array(n, np.int64)
+
+
 @dataclasses.dataclass
 class StoredResponse:
-    """A prompt's last response window: ids int32[W], mask bool[W] (tokens D averages
-    over), logp float32[W] (under the policy right after that visit's update)."""
+    """A prompt's last response with its context: ids int32[T], mask bool[T] (tokens D
+    averages over), logp float32[T] (under the policy right after that visit's update)."""
 
     ids: np.ndarray
     mask: np.ndarray
@@ -118,13 +160,17 @@ class BetaTracker:
       rho_min, whose stationary evidence 1 / (1 - rho) equals the offline N0).
     prior: (alpha, beta) of a task never initialised nor updated; default Beta(1, 1),
       v = 0.5, weak so that the first visits dominate. Seed 002 initialises every
-      prompt offline (init_offline) and gives no prior for unseen ones.
-    max_stored_tokens: longest stored response window (see drift_window).
+      prompt offline (init_offline) and gives no prior for unseen ones; the official
+      code starts every prompt at Beta(0.5, 0.5) when it uses no offline samples.
+    duplicates: how a batch that holds one id several times updates it: "sequential"
+      (once per sample, in batch order) or "last" (each sample from the pre-step value,
+      the last one written wins: the official code).
     """
 
     def __init__(self, *, rho_type: Literal["kl", "constant"] = "kl", d_half: float = 0.06,
                  rho_min: float = 0.875, rho_max: float = 0.96, rho_constant: float = 0.875,
-                 prior: tuple[float, float] = (1.0, 1.0), max_stored_tokens: int = 512,
+                 prior: tuple[float, float] = (1.0, 1.0),
+                 duplicates: Literal["sequential", "last"] = "sequential",
                  capacity: int = 1024):
         if rho_type not in ("kl", "constant"):
             raise ValueError(f"rho_type must be 'kl' or 'constant', got {rho_type!r}")
@@ -136,7 +182,9 @@ class BetaTracker:
         self.rho_type, self.d_half = rho_type, d_half
         self.rho_min, self.rho_max, self.rho_constant = rho_min, rho_max, rho_constant
         self.prior = (float(prior[0]), float(prior[1]))
-        self.max_stored_tokens = max_stored_tokens
+        if duplicates not in ("sequential", "last"):
+            raise ValueError(f"duplicates must be 'sequential' or 'last', got {duplicates!r}")
+        self.duplicates = duplicates
         self._index: dict[str, int] = {}
         self._ids: list[str] = []
         self._responses: list[StoredResponse | None] = []
@@ -192,12 +240,13 @@ class BetaTracker:
         return rho_from_drift(D, self.d_half, self.rho_min, self.rho_max)
 
     def update(self, task_ids: Sequence[str], rewards, *, D=None, rho=None) -> np.ndarray:
-        """Apply Eq. 5 per sample, in batch order for repeated ids; returns rho[B] used.
+        """Apply Eq. 5 per sample; returns rho[B] used.
 
         rho may be given directly (float or [B]); otherwise it comes from D (rho_type "kl",
-        D[B] from drift()) or the constant. Exactly equal to a per-sample Python loop:
-        samples are applied in passes by occurrence rank, so each id's updates keep
-        their order and each is the same float64 `rho * alpha + r`.
+        D[B] from drift()) or the constant. Repeated ids follow `self.duplicates`:
+        "sequential" is exactly a per-sample Python loop in batch order (samples are
+        applied in passes by occurrence rank, each the same float64 `rho * alpha + r`);
+        "last" computes every sample from the pre-step value and keeps the last.
         """
         n = len(task_ids)
         r = np.asarray(rewards, np.float64).reshape(-1)
@@ -212,15 +261,21 @@ class BetaTracker:
         if not np.all((rho > 0) & (rho <= 1)):
             raise ValueError(f"rho must be in (0, 1], got min {rho.min()} max {rho.max()}")
         rows = self.rows(task_ids, insert=True)
+        if self.duplicates == "last":
+            alpha, beta = rho * self.alpha[rows] + r, rho * self.beta[rows] + (1.0 - r)
+            last = _last_occurrences(rows)
+            self.alpha[rows[last]], self.beta[rows[last]] = alpha[last], beta[last]
+            return rho
         for sel in _occurrence_passes(rows):
             rw, rh, rr = rows[sel], rho[sel], r[sel]
             self.alpha[rw] = rh * self.alpha[rw] + rr
             self.beta[rw] = rh * self.beta[rw] + (1.0 - rr)
         return rho
 
-    def init_offline(self, task_ids: Sequence[str], successes, n0: int,
+    def init_offline(self, task_ids: Sequence[str], successes, n0,
                      form: Literal["paper", "reference"] = "paper") -> None:
-        """Set (alpha, beta) from offline sampling (offline_prior); ids must be distinct."""
+        """Set (alpha, beta) from offline sampling (offline_prior; n0 an int or one per
+        id); ids must be distinct."""
         if len(set(task_ids)) != len(task_ids):
             raise ValueError("init_offline task ids must be distinct")
         a0, b0 = offline_prior(successes, n0, self.rho_min, form)
@@ -228,8 +283,9 @@ class BetaTracker:
         self.alpha[rows], self.beta[rows] = a0, b0
 
     def store_response(self, task_id: str, ids, logp_after_update, mask=None) -> None:
-        """Keep this visit's response window (drift_window) and its log-probs under the
-        just-updated policy; replaces the previous one. The task must have been updated."""
+        """Keep this visit's whole response (ids[T], mask[T]: the tokens D averages over)
+        and its log-probs under the just-updated policy; replaces the previous one. The
+        task must have been updated."""
         row = self._index.get(task_id)
         if row is None:
             raise KeyError(f"store_response for {task_id!r} before any update() of it")
@@ -239,9 +295,6 @@ class BetaTracker:
         if not ids.shape == logp.shape == mask.shape or ids.ndim != 1:
             raise ValueError(f"ids {ids.shape}, logp {logp.shape}, mask {mask.shape} must be "
                              "equal 1-D shapes")
-        if ids.size > self.max_stored_tokens:
-            raise ValueError(f"response window of {ids.size} tokens exceeds max_stored_tokens="
-                             f"{self.max_stored_tokens}; cut it with drift_window before scoring")
         self._responses[row] = StoredResponse(ids.copy(), mask.copy(), logp.copy())
 
     def pending_d_requests(self, task_ids: Sequence[str]) -> dict[str, StoredResponse]:
@@ -303,6 +356,12 @@ class BetaTracker:
 
 def _cat(arrays: Sequence[np.ndarray], dtype) -> np.ndarray:
     return np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+
+
+def _last_occurrences(rows: np.ndarray) -> np.ndarray:
+    """Batch positions of each distinct row's last occurrence."""
+    _, first_in_reversed = np.unique(rows[::-1], return_index=True)
+    return rows.size - 1 - first_in_reversed
 
 
 def _occurrence_passes(rows: np.ndarray) -> list[np.ndarray]:

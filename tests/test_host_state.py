@@ -23,7 +23,7 @@ def _traj(task_id, reward, steps, rng):
 def _objects(seed=0):
     cfg = prefix.PrefixConfig(adaptive=True, max_age=3)
     return (prefix.PrefixQueue(cfg.max_age), prefix.AdaptiveController.from_config(cfg),
-            spo.BetaTracker(max_stored_tokens=16), TaskSampler([f"t{i}" for i in range(7)], seed),
+            spo.BetaTracker(), TaskSampler([f"t{i}" for i in range(7)], seed),
             np.random.default_rng(seed), cfg)
 
 

@@ -9,7 +9,6 @@ import pytest
 from rl.spo import (
     BetaTracker,
     PrioritizedSampler,
-    drift_window,
     offline_prior,
     policy_drift,
     rho_from_drift,
@@ -112,10 +111,8 @@ def test_drift_requests_and_store_flow():
     assert tracker.alpha[0] == 0.96 + 1 and tracker.beta[0] == 0.96
     with pytest.raises(KeyError, match="before any update"):
         tracker.store_response("y", [1], [-1.0])
-    ids, mask = drift_window(np.arange(600), np.arange(600) % 2, tracker.max_stored_tokens)
-    assert ids.size == 512 and ids[0] == 88 and mask.sum() == 256
-    with pytest.raises(ValueError, match="max_stored_tokens"):
-        tracker.store_response("x", np.arange(600), np.zeros(600))
+    with pytest.raises(ValueError, match="equal 1-D"):
+        tracker.store_response("x", np.arange(6), np.zeros(5))
     tracker.store_response("x", [5, 6, 7], [-1.0, -2.0, -3.0], mask=[0, 1, 1])
     reqs = tracker.pending_d_requests(["x", "y", "x"])
     assert list(reqs) == ["x"] and reqs["x"].ids.tolist() == [5, 6, 7]
@@ -141,11 +138,15 @@ def test_spo_advantages_hand_values():
     r, v = [1, 0, 1, 1], [0.5, 0.5, 0.25, 0.9]
     a = [0.5, -0.5, 0.75, 0.1]
     mean = sum(a) / 4
-    std = math.sqrt(sum((x - mean) ** 2 for x in a) / 4)
-    assert spo_advantages(r, v) == pytest.approx([(x - mean) / (std + 1e-8) for x in a])
-    out = spo_advantages(r, v)
-    assert out.mean() == pytest.approx(0, abs=1e-12) and out.std() == pytest.approx(1, abs=1e-7)
+    for ddof in (0, 1):  # population std, and torch's unbiased one (the default)
+        std = math.sqrt(sum((x - mean) ** 2 for x in a) / (4 - ddof))
+        out = spo_advantages(r, v, ddof=ddof)
+        assert out == pytest.approx([(x - mean) / (std + 1e-8) for x in a], rel=1e-12)
+        assert out.mean() == pytest.approx(0, abs=1e-12)
+        assert out.std(ddof=ddof) == pytest.approx(1, abs=1e-7)
+    assert spo_advantages(r, v).tolist() == spo_advantages(r, v, ddof=1).tolist()
     assert spo_advantages([1, 1], [0.3, 0.3]).tolist() == [0.0, 0.0]
+    assert spo_advantages([1], [0.3]).tolist() == [0.0]  # one sample: no spread to measure
 
 
 def test_sampler_weights_and_frequencies():

@@ -1,0 +1,93 @@
+"""The interface every training algorithm implements; train.py's loop calls only this.
+
+One RL step, as train.py runs it:
+
+    groups = await algo.collect(step, progress)          # rollouts, one group per start state
+    kept, advantages, m = algo.advantages(step, groups)  # what the learner trains on
+    ...pack, reference log-probs, train_step -> params...
+    m |= await algo.after_update(step, params)           # bookkeeping under the new policy
+    checkpoint {"step": step, **algo.state_dict()}
+
+and before the first step, until the algorithm reports `started` (a fresh run, or a
+run resumed before its start finished):
+
+    m = await algo.start(progress)                       # e.g. SPO's offline values
+
+Host-side state lives in the algorithm object and round-trips through
+state_dict / load_state_dict (JSON-able values and NumPy arrays), so a checkpoint, or
+another host, can carry it.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from env.tasks import Task
+from rl.rollout import Agent
+from rl.types import Trajectory
+
+Progress = Callable[[int], None] | None
+# score(params, [(ids[T], mask[T]), ...]) -> [logp[T], ...]: log-probs of each whole
+# token stream under `params`, nonzero only where mask is (rl.learner.make_score).
+Score = Callable[[Any, Sequence[tuple[np.ndarray, np.ndarray]]], list[np.ndarray]]
+
+
+@dataclasses.dataclass
+class Context:
+    """What an algorithm is built from: the run's config, the rollout agent, the training
+    tasks and a log-prob scorer for the policy's parameters."""
+
+    config: Any
+    agent: Agent
+    train_tasks: Sequence[Task]
+    score: Score
+
+
+class Algorithm(abc.ABC):
+    """One training algorithm: how to collect, what to train on, what to keep.
+
+    rollouts_per_step: trajectories collect() returns (for the progress bar).
+    stream: generation runs on while the learner trains (tokens/s per step time).
+    started: start() has nothing (left) to do.
+    """
+
+    rollouts_per_step: int
+    stream: bool = False
+    started: bool = True
+
+    async def start(self, progress: Progress = None) -> dict[str, float]:
+        """Work before the first RL step (runs while `started` is False); metrics."""
+        del progress
+        self.started = True
+        return {}
+
+    @abc.abstractmethod
+    async def collect(self, step: int, progress: Progress = None) -> list[list[Trajectory]]:
+        """This step's rollouts, grouped by start state (a group of one in SPO)."""
+
+    @abc.abstractmethod
+    def advantages(self, step: int, groups: Sequence[Sequence[Trajectory]]
+                   ) -> tuple[list[Trajectory], np.ndarray, dict[str, float]]:
+        """(trajectories to train on, one advantage each, metrics)."""
+
+    async def after_update(self, step: int, params) -> dict[str, float]:
+        """Bookkeeping that needs the updated parameters; runs only after an update."""
+        del step, params
+        return {}
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Host state to checkpoint (JSON-able values and NumPy arrays)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores what state_dict returned."""
+
+    async def close(self) -> None:
+        """Stops background work (e.g. rollouts still in flight)."""
+        return None

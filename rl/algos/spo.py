@@ -1,0 +1,192 @@
+"""SPO (seed 002; the maths in rl.spo): one response per prompt, a persistent Beta
+baseline per task id, prioritised prompts collected as a single stream.
+
+A step, in the official code's order (verl-recipe spo_ray_trainer.py):
+  1. the first `batch_tasks` rollouts of the stream to finish (the rest carry over);
+  2. advantages from each prompt's value before this step;
+  3. the learner update (train.py);
+  4. after it, under the updated parameters: the drift D of each prompt's stored
+     response (whole, in its context), the tracker update with rho(D), and this
+     step's responses stored with their log-probs.
+
+Offline start (before the first step): `spo.init_samples` = n0 rollouts of every pool
+prompt with the initial policy, through the same stream collector, or
+`spo.init_values` = a JSONL file of {"task_id", "successes", "n"}; either gives
+(alpha0, beta0) in `spo.init_form` (rl.spo.offline_prior). Without one, every prompt
+starts at `spo.prior`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from rl import spo
+from rl.algos.base import Algorithm, Context, Progress
+from rl.rollout import RolloutJob, StreamCollector
+from rl.types import Trajectory
+
+log = logging.getLogger(__name__)
+
+
+def tracker_from_config(spo_cfg) -> spo.BetaTracker:
+    """The Beta tracker of the config's `spo` section (constant rho = rho_min)."""
+    return spo.BetaTracker(rho_type=spo_cfg.rho_type, d_half=spo_cfg.d_half,
+                           rho_min=spo_cfg.rho_min, rho_max=spo_cfg.rho_max,
+                           rho_constant=spo_cfg.rho_min, prior=tuple(spo_cfg.prior),
+                           duplicates=spo_cfg.duplicates)
+
+
+class SPO(Algorithm):
+    """SPO; host state: tracker (values and stored responses), prompt sampler, rng."""
+
+    stream = True
+
+    def __init__(self, ctx: Context):
+        c = ctx.config
+        self.cfg, self.agent, self.score = c.spo, ctx.agent, ctx.score
+        if self.cfg.init_samples and self.cfg.init_values:
+            raise ValueError("set one of spo.init_samples and spo.init_values, not both")
+        if self.cfg.unseen not in ("draw", "skip"):
+            raise ValueError(f"spo.unseen must be 'draw' or 'skip', got {self.cfg.unseen!r}")
+        self.batch_tasks = self.rollouts_per_step = c.batch_tasks
+        self.tracker = tracker_from_config(self.cfg)
+        self.sampler = spo.PrioritizedSampler(self.tracker, seed=c.seed, eps=self.cfg.sampler_eps)
+        self.rng = np.random.default_rng([c.seed, 1])
+        self.task_by_id = {t.instance_id: t for t in ctx.train_tasks}
+        ids = list(self.task_by_id)
+        self.pool_ids = ids[:self.cfg.pool_size] if self.cfg.pool_size else ids
+        self.started = not (self.cfg.init_samples or self.cfg.init_values)
+        self._queued: list[str] = []
+        self._collector: StreamCollector | None = None
+        self._pending: tuple[list[str], np.ndarray, list[tuple[np.ndarray, np.ndarray]]] | None
+        self._pending = None
+
+    # ------------------------------------------------------------ offline start
+
+    async def start(self, progress: Progress = None) -> dict[str, float]:
+        """The offline values: n0 rollouts per pool prompt (init_samples) or a file."""
+        if self.cfg.init_values:
+            ids, successes, n = spo.load_offline_values(self.cfg.init_values)
+            known = [i for i, t in enumerate(ids) if t in self.task_by_id]
+            if len(known) < len(ids):
+                log.warning("%s: %d of %d task ids are not training tasks; ignored",
+                            self.cfg.init_values, len(ids) - len(known), len(ids))
+            ids, successes, n = [ids[i] for i in known], successes[known], n[known]
+            m = {"spo/init_prompts": float(len(ids))}
+        else:
+            ids, successes, n, m = await self._sample_offline(progress)
+        self.tracker.init_offline(ids, successes, n, form=self.cfg.init_form)
+        if ids:
+            m["spo/init_v_mean"] = float(self.tracker.values(ids).mean())
+        self.started = True
+        return m
+
+    async def _sample_offline(self, progress: Progress):
+        """init_samples rollouts of every pool prompt, scored ones counted per prompt."""
+        jobs = iter([RolloutJob(self.task_by_id[t], seed=int(self.rng.integers(1 << 30)))
+                     for t in self.pool_ids for _ in range(self.cfg.init_samples)])
+        total = len(self.pool_ids) * self.cfg.init_samples
+        collector = StreamCollector(self.agent, lambda: next(jobs, None), self.cfg.in_flight)
+        try:
+            trajs = await collector.collect(total, progress)
+        finally:
+            await collector.close()
+        counts: dict[str, list[int]] = {}
+        for t in trajs:
+            if not t.is_env_error and t.reward is not None:
+                s_n = counts.setdefault(t.task_id, [0, 0])
+                s_n[0], s_n[1] = s_n[0] + int(t.reward), s_n[1] + 1
+        ids = list(counts)
+        successes = np.array([counts[t][0] for t in ids], np.int64)
+        n = np.array([counts[t][1] for t in ids], np.int64)
+        scored = int(n.sum())
+        m = {"spo/init_rollouts": float(len(trajs)),
+             "spo/init_env_errors": float(len(trajs) - scored),
+             "spo/init_prompts": float(len(ids)),
+             "spo/init_pass_rate": float(successes.sum() / scored) if scored else float("nan")}
+        return ids, successes, n, m
+
+    # ------------------------------------------------------------ collection
+
+    def _pool(self) -> list[str]:
+        if self.cfg.unseen == "draw":
+            return self.pool_ids
+        pool = [t for t in self.pool_ids if t in self.tracker]
+        if not pool:
+            raise ValueError("spo.unseen='skip' leaves no prompt to draw: no pool prompt "
+                             "has an offline value (spo.init_samples or spo.init_values)")
+        return pool
+
+    def _next_job(self) -> RolloutJob:
+        """One single-rollout job; ids are drawn in chunks of batch_tasks, with weights
+        re-read from the tracker at every chunk."""
+        if not self._queued:
+            pool = self._pool()
+            self._queued.extend(self.sampler.sample(pool, min(self.batch_tasks, len(pool))))
+        return RolloutJob(self.task_by_id[self._queued.pop(0)],
+                          seed=int(self.rng.integers(1 << 30)))
+
+    async def collect(self, step: int, progress: Progress = None) -> list[list[Trajectory]]:
+        if self._collector is None:
+            self._collector = StreamCollector(self.agent, self._next_job, self.cfg.in_flight)
+        return [[t] for t in await self._collector.collect(self.batch_tasks, progress)]
+
+    # ------------------------------------------------------------ the tracker
+
+    def advantages(self, step: int, groups: Sequence[Sequence[Trajectory]]
+                   ) -> tuple[list[Trajectory], np.ndarray, dict[str, float]]:
+        """A = r - v_before, batch-normalised; remembers the batch for after_update."""
+        scored = [t for g in groups for t in g if not t.is_env_error and t.reward is not None]
+        self._pending = None
+        if not scored:
+            return [], np.zeros(0), {}
+        ids = [t.task_id for t in scored]
+        rewards = np.array([t.reward for t in scored], np.float64)
+        v_before = self.tracker.values(ids)
+        self._pending = (ids, rewards, [t.token_arrays()[:2] for t in scored])
+        adv = spo.spo_advantages(rewards, v_before, ddof=self.cfg.adv_std_ddof)
+        return scored, adv, {"spo/v_mean": float(v_before.mean()),
+                             "spo/first_visit_frac": float(np.mean(
+                                 [t not in self.tracker for t in ids]))}
+
+    async def after_update(self, step: int, params) -> dict[str, float]:
+        """D under the updated params, the tracker update, this step's responses stored."""
+        if self._pending is None:
+            return {}
+        ids, rewards, arrays = self._pending
+        self._pending = None
+        if self.tracker.rho_type == "constant":
+            rho = self.tracker.update(ids, rewards)
+            return {"spo/rho_mean": float(rho.mean()), "spo/tracked": float(len(self.tracker))}
+        stored = self.tracker.pending_d_requests(ids)
+        windows = [(r.ids, r.mask) for r in stored.values()] + list(arrays)
+        scores = await asyncio.to_thread(self.score, params, windows)
+        D = self.tracker.drift(ids, dict(zip(stored, scores[:len(stored)], strict=True)))
+        rho = self.tracker.update(ids, rewards, D=D)
+        for task_id, (tokens, mask), logp in zip(ids, arrays, scores[len(stored):],
+                                                 strict=True):
+            n = len(logp)  # the packer keeps at most the longest row bucket
+            self.tracker.store_response(task_id, tokens[:n], logp, mask[:n])
+        return {"spo/drift_mean": float(D.mean()), "spo/rho_mean": float(rho.mean()),
+                "spo/tracked": float(len(self.tracker))}
+
+    # ------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tracker": self.tracker.state_dict(), "spo_sampler": self.sampler.state_dict(),
+                "np_rng": self.rng.bit_generator.state, "started": self.started}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.tracker.load_state_dict(state["tracker"])
+        self.sampler.load_state_dict(state["spo_sampler"])
+        self.rng.bit_generator.state = state["np_rng"]
+        self.started = bool(state["started"])
+
+    async def close(self) -> None:
+        if self._collector is not None:
+            await self._collector.close()
