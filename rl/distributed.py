@@ -48,6 +48,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from models import sharding
+from rl import rollout
 from rl.checkpoint import encode_host
 
 log = logging.getLogger(__name__)
@@ -90,17 +92,22 @@ def initialize(dist_cfg) -> bool:
     return True
 
 
-def layout(mesh=None) -> dict[str, Any]:
-    """Process and device layout (for --dry_run and the log): this process, and the
-    devices of each process; with `mesh`, its axis sizes."""
+def layout(mesh_cfg=None) -> dict[str, Any]:
+    """Process and device layout (for --dry_run and the log): this process, the devices
+    of each process and, with `mesh_cfg` (config.mesh), the mesh over all of them, or
+    why these devices cannot hold it."""
     by_process: dict[int, list[str]] = {}
     for d in jax.devices():
         by_process.setdefault(d.process_index, []).append(f"{d.platform}:{d.id}")
-    out = {"process_index": jax.process_index(), "process_count": jax.process_count(),
-           "local_devices": jax.local_device_count(), "global_devices": jax.device_count(),
-           "devices_by_process": {str(p): ds for p, ds in sorted(by_process.items())}}
-    if mesh is not None:
-        out["mesh"] = dict(mesh.shape)
+    out: dict[str, Any] = {
+        "process_index": jax.process_index(), "process_count": jax.process_count(),
+        "local_devices": jax.local_device_count(), "global_devices": jax.device_count(),
+        "devices_by_process": {str(p): ds for p, ds in sorted(by_process.items())}}
+    if mesh_cfg is not None:
+        try:
+            out["mesh"] = dict(sharding.make_mesh(**mesh_cfg).shape)
+        except ValueError as e:  # e.g. a pod config dry-run on a laptop
+            out["mesh"] = f"not on these devices: {e}"
     return out
 
 
@@ -111,10 +118,16 @@ def is_primary() -> bool:
 
 def check_supported(config) -> None:
     """Refuses what does not run over several processes, naming the key."""
-    if jax.process_count() > 1 and config.algo == "spo":
+    if jax.process_count() == 1:
+        return
+    if config.algo == "spo":
         raise ValueError("algo='spo' runs in one process: its stream collector draws prompts "
                          "as rollouts finish, an order no two hosts share; use algo='grpo' "
                          "for multi-host runs")
+    if config.engine.kind == "sglang" and not config.engine.sglang.urls:
+        raise ValueError("a multi-host run takes its SGLang servers from engine.sglang.urls "
+                         "(every host's client shares them; process 0 updates them once per "
+                         "version), not engine.sglang.launch on every host")
 
 
 def barrier(name: str) -> None:
@@ -227,3 +240,13 @@ async def sync_weights(engine, params: Any, shared_servers: bool) -> None:
     else:
         await engine.update_weights(jax.tree.unflatten(treedef, gathered))
     await asyncio.to_thread(barrier, "weights_loaded")
+
+
+# ------------------------------------------------------------------ rollouts
+
+
+async def collect_groups(agent, jobs: Sequence[Any], n: int,
+                         progress: Callable[[int], None] | None = None) -> list[list[Any]]:
+    """rl.rollout.collect_groups over this process's share of `jobs` (with its own
+    engine client and sandboxes); every process gets all groups, in job order."""
+    return await gather_map(lambda mine: rollout.collect_groups(agent, mine, n, progress), jobs)
