@@ -25,8 +25,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-_MASK_VALUE = float(jnp.finfo(jnp.float32).min)
+from kernels.attention import attention
+
 _HF_ARCH = "Qwen3ForCausalLM"
+# Rematerialisation policies by name (None = recompute everything but the layer input).
+REMAT_POLICIES = {"none": None, "full": None,
+                  "save-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +50,13 @@ class Qwen3Config:
     max_position_embeddings: longest position the model was trained for (informational).
     dtype: compute dtype of matmuls and activations ("float32" | "bfloat16").
     param_dtype: storage dtype of parameters ("float32" | "bfloat16").
-    remat: recompute each layer's activations in the backward pass instead of storing them
-      (training memory O(layers * B*T*d) instead of O(layers * activations); not saved to HF).
+    remat: what the backward pass recomputes per layer (not saved to HF): "none" stores
+      every activation; "full" stores only each layer's input (memory O(layers * B*T*d));
+      "save-dots" also keeps the projections' matmul outputs (recomputes norms, RoPE,
+      attention and activations).
+    attention: kernels.attention implementation: "auto" (blockwise XLA on CPU, Pallas
+      elsewhere when it compiles, logged when not), "xla", "pallas" (required) or
+      "reference" (dense [T, T] scores).
     """
 
     vocab_size: int
@@ -62,9 +72,14 @@ class Qwen3Config:
     max_position_embeddings: int = 40960
     dtype: str = "float32"
     param_dtype: str = "float32"
-    remat: bool = False
+    remat: str = "none"
+    attention: str = "auto"
 
     def __post_init__(self):
+        for name, allowed in (("remat", REMAT_POLICIES), ("attention", ATTENTION_IMPLS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Qwen3Config.{name} must be one of {sorted(allowed)}, "
+                                 f"got {getattr(self, name)!r}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ValueError(f"Qwen3Config.{name} must be float32 or bfloat16, "
@@ -185,31 +200,6 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (x32 * jnp.cos(angle) + rotated * jnp.sin(angle)).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """softmax(q k^T / sqrt(D) masked) v with grouped heads; softmax in float32.
-
-    q: [B,T,H,D], k/v: [B,S,K,D] with H = K*G, mask: [B,T,S] bool -> [B,T,H,D].
-    Fully masked rows (padding) give a finite uniform average instead of NaN.
-    """
-    b, t, h, d = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(b, t, kv_heads, h // kv_heads, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (d ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, h, d)
-
-
-def segment_mask(segment_ids: jax.Array) -> jax.Array:
-    """[B,T] segment ids -> [B,T,T] mask: same nonzero segment and key index <= query index."""
-    t = segment_ids.shape[1]
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-    same = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return causal[None] & same & (segment_ids != 0)[:, :, None]
-
-
 # ----------------------------------------------------------------------------- cache
 
 
@@ -303,37 +293,64 @@ class DecoderLayer(nnx.Module):
         self.self_attn = Attention(cfg, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg)
         self.mlp = MLP(cfg, rngs)
+        self.impl = None if cfg.attention == "auto" else cfg.attention
 
-    def __call__(self, x, positions, mask):
+    def __call__(self, x, positions, segment_ids):
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
-        x = x + self.self_attn.out(attention(q, k, v, mask))
+        o = attention(q, k, v, segment_ids, implementation=self.impl)
+        x = x + self.self_attn.out(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode(self, x, positions, slots, index, cache_k, cache_v, mask):
-        """Writes this step's k/v into layer `index` of the cache, attends over that layer.
+    def decode(self, x, positions, slots, cache_k, cache_v, filled):
+        """Writes this step's k/v into this layer's cache [B,S,K,D] and attends over the
+        filled slots at or before each token's position (whole empty blocks are skipped).
 
-        cache_k/v: [L,B,S,K,D]; slots: [B,T] cache index per token (S for padding: dropped).
+        slots: [B,T] cache index per token (S for padding: dropped); filled: [B,S] bool.
         """
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
         rows = jnp.arange(x.shape[0])[:, None]
-        cache_k = cache_k.at[index, rows, slots].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[index, rows, slots].set(v.astype(cache_v.dtype), mode="drop")
-        x = x + self.self_attn.out(attention(q, cache_k[index], cache_v[index], mask))
+        cache_k = cache_k.at[rows, slots].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[rows, slots].set(v.astype(cache_v.dtype), mode="drop")
+        o = attention(q, cache_k, cache_v, (positions >= 0).astype(jnp.int32),
+                      kv_segment_ids=filled.astype(jnp.int32), q_positions=positions,
+                      implementation=self.impl)
+        x = x + self.self_attn.out(o)
         return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
 
 
-def _apply_layer(layer: DecoderLayer, x, positions, mask):
-    return layer(x, positions, mask)
+def stacked_layers(cfg: Qwen3Config, rngs: nnx.Rngs) -> DecoderLayer:
+    """One DecoderLayer whose parameters carry a leading [num_layers] axis (layer i's
+    parameters are those the i-th of num_layers consecutive DecoderLayer inits draws)."""
+    layers = [DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)]
+    graphdef, *states = (nnx.split(layers[0])[0], *(nnx.split(m)[1] for m in layers))
+    return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+
+
+def _scan_layers(layers: DecoderLayer, step, carry, xs=None, remat: str = "none"):
+    """lax.scan of step(layer, carry, x) -> (carry, y) over the stacked layers."""
+    graphdef, state = nnx.split(layers)
+
+    def body(carry, inputs):
+        layer_state, x = inputs
+        return step(nnx.merge(graphdef, layer_state), carry, x)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(body, carry, (state, xs))
 
 
 class Qwen3(nnx.Module):
-    """Qwen3ForCausalLM without the output projection (see `lm_head`)."""
+    """Qwen3ForCausalLM without the output projection (see `lm_head`).
+
+    The decoder layers are one DecoderLayer with stacked parameters ([num_layers, ...]
+    leaves), run by lax.scan: compile time and program size do not grow with depth.
+    """
 
     def __init__(self, cfg: Qwen3Config, rngs: nnx.Rngs | None = None):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.cfg = cfg
         self.embed_tokens = Embed(cfg, rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs) for _ in range(cfg.num_layers)])
+        self.layers = stacked_layers(cfg, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head_proj = Linear(cfg.hidden_size, cfg.vocab_size, cfg, rngs)
@@ -347,11 +364,8 @@ class Qwen3(nnx.Module):
         """
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
-        mask = segment_mask(segment_ids)
-        apply = nnx.remat(_apply_layer) if self.cfg.remat else _apply_layer
-        x = self.embed_tokens(tokens)
-        for layer in self.layers:
-            x = apply(layer, x, positions, mask)
+        step = lambda layer, x, _: (layer(x, positions, segment_ids), None)
+        x, _ = _scan_layers(self.layers, step, self.embed_tokens(tokens), remat=self.cfg.remat)
         return self.norm(x)
 
     def lm_head(self) -> jax.Array:
@@ -384,10 +398,11 @@ class Qwen3(nnx.Module):
         slots = jnp.where(positions >= 0, positions, max_len)
         valid = cache.valid.at[rows, slots].set(True, mode="drop")
         lengths = jnp.maximum(cache.lengths, jnp.max(positions, axis=1) + 1).astype(jnp.int32)
-        mask = valid[:, None, :] & (jnp.arange(max_len)[None, None, :] <= positions[:, :, None])
-        x = self.embed_tokens(tokens)
-        k, v = cache.k, cache.v
-        for i, layer in enumerate(self.layers):
-            x, k, v = layer.decode(x, positions, slots, i, k, v, mask)
+
+        def step(layer, x, kv):
+            x, k, v = layer.decode(x, positions, slots, *kv, valid)
+            return x, (k, v)
+
+        x, (k, v) = _scan_layers(self.layers, step, self.embed_tokens(tokens), (cache.k, cache.v))
         cache = KVCache(k=k, v=v, valid=valid, lengths=lengths)
         return self.norm(x), cache

@@ -45,6 +45,7 @@ RULES: dict[str, str | None] = {
     "kv_heads": "tensor",
     "mlp": "tensor",
     "norm": None,
+    "layers": None,
 }
 
 
@@ -80,11 +81,13 @@ def param_path(keypath) -> tuple[str | int, ...]:
 
 
 def logical_axes(path: tuple[str | int, ...]) -> tuple[str, ...]:
-    """Logical axes of the parameter at `path`; unknown parameters are an error."""
+    """Logical axes of the parameter at `path`; unknown parameters are an error. The
+    stacked decoder layers (path 'layers', <module>, ...) add a leading "layers" axis."""
     key = tuple(str(p) for p in path[-2:])
     if key not in PARAM_AXES:
         raise KeyError(f"no sharding rule for parameter {'.'.join(map(str, path))}")
-    return PARAM_AXES[key]
+    stacked = len(path) > 1 and path[0] == "layers" and not isinstance(path[1], int)
+    return ("layers", *PARAM_AXES[key]) if stacked else PARAM_AXES[key]
 
 
 def partition_spec(path: tuple[str | int, ...], shape: tuple[int, ...],

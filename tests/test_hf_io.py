@@ -95,8 +95,8 @@ def test_bfloat16_round_trip_is_exact(model, tmp_path):
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), nnx.state(model, nnx.Param))
     save_hf(params, CFG, str(tmp_path), dtype="bfloat16")
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    cfg, loaded = load_hf(str(tmp_path), dtype="bfloat16", remat=True)
-    assert (cfg.dtype, cfg.param_dtype, cfg.remat) == ("bfloat16", "bfloat16", True)
+    cfg, loaded = load_hf(str(tmp_path), dtype="bfloat16", remat="full")
+    assert (cfg.dtype, cfg.param_dtype, cfg.remat) == ("bfloat16", "bfloat16", "full")
     got = jax.tree.leaves(nnx.state(loaded, nnx.Param))
     for want, have in zip(jax.tree.leaves(params), got, strict=True):
         assert have.dtype == jnp.bfloat16

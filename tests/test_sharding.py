@@ -59,13 +59,14 @@ def _tokens(mesh=None):
 
 def _assert_sharded(model):
     assert _spec(model, "embed_tokens", "embedding") == P("tensor", "fsdp")
-    assert _spec(model, "layers", 0, "self_attn", "q_proj", "kernel") == P("fsdp", "tensor")
-    assert _spec(model, "layers", 1, "self_attn", "o_proj", "kernel") == P("tensor", "fsdp")
-    assert _spec(model, "layers", 0, "mlp", "down_proj", "kernel") == P("tensor", "fsdp")
+    # Decoder layers are stacked: a leading [num_layers] axis, never split.
+    assert _spec(model, "layers", "self_attn", "q_proj", "kernel") == P(None, "fsdp", "tensor")
+    assert _spec(model, "layers", "self_attn", "o_proj", "kernel") == P(None, "tensor", "fsdp")
+    assert _spec(model, "layers", "mlp", "down_proj", "kernel") == P(None, "tensor", "fsdp")
     assert _spec(model, "lm_head_proj", "kernel") == P("fsdp", "tensor")
-    assert _spec(model, "layers", 0, "self_attn", "q_norm", "scale") == P(None)
-    q = model.layers[0].self_attn.q_proj.kernel[...]
-    assert {s.data.shape for s in q.addressable_shards} == {(16, 32)}
+    assert _spec(model, "layers", "self_attn", "q_norm", "scale") == P(None, None)
+    q = model.layers.self_attn.q_proj.kernel[...]
+    assert {s.data.shape for s in q.addressable_shards} == {(2, 16, 32)}
 
 
 def test_sharded_forward_matches_single_device(model, mesh):

@@ -16,12 +16,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from kernels.logprob.rows import RowCompaction
 
 F32 = jnp.float32
 _CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # a[R, x], b[R, y] -> [x, y]
 _CONTRACT_COLS = (((1,), (1,)), ((), ()))  # a[x, C], b[y, C] -> [x, y]
+# Triton, not Mosaic GPU (the default GPU backend of pallas_call, which these tiles do not
+# fit); TPU ignores these parameters.
+_TRITON = plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _tile_cotangent(h, w_j, start, t, lse, entropy, g_logp, g_ent, inv_t, vocab_size):
@@ -137,6 +141,7 @@ class PallasEngine:
             out_specs=[partial_spec] * 3,
             out_shape=[partial] * 3,
             interpret=self.interpret,
+            compiler_params=_TRITON,
         )(rows.valid.astype(jnp.int32), h_c, w)
         # Combine vocab blocks: re-base each block's sums from its own max to the global one.
         m_all = m.max(axis=0)
@@ -167,6 +172,7 @@ class PallasEngine:
             out_specs=pl.BlockSpec((row_block, d), lambda i: (i, 0)),
             out_shape=jax.ShapeDtypeStruct((num_pad, d), F32),
             interpret=self.interpret,
+            compiler_params=_TRITON,
         )(*operands)
 
         all_rows = pl.BlockSpec((num_pad,), lambda j: (0,))
@@ -179,5 +185,6 @@ class PallasEngine:
             out_specs=pl.BlockSpec((d, vocab_block), lambda j: (0, j)),
             out_shape=jax.ShapeDtypeStruct((d, w_pad.shape[1]), w.dtype),
             interpret=self.interpret,
+            compiler_params=_TRITON,
         )(*operands)
         return dh_c, dw[:, :vocab_size] if dw.shape[1] != vocab_size else dw
