@@ -1,5 +1,7 @@
 """Chunked XLA and Pallas (interpret) token log-probs against the naive [N, V] reference."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,12 +135,19 @@ def test_bad_shapes_are_named():
         token_logprobs(hidden, lm_head, targets.astype(jnp.float32), mask)
 
 
-def test_default_on_accelerators_checks_that_kernels_compile():
-    from kernels.logprob.api import _compiles, _signature
+def test_pallas_fallback_is_logged_and_a_required_kernel_is_an_error(caplog):
+    from kernels import fallback
+    from kernels.logprob.api import _ForwardBackward
     from kernels.logprob.pallas import PallasEngine
     from kernels.logprob.xla import XlaEngine
 
-    signature = _signature(*_inputs(jnp.float32, 0.5)[:4])
-    # Compiled Pallas kernels do not lower on CPU: the default would keep the XLA engine.
-    assert not _compiles(PallasEngine(**BLOCKS["xla"]), signature, 1.0)
-    assert _compiles(XlaEngine(**BLOCKS["xla"]), signature, 1.0)
+    signature = fallback.signature(*_inputs(jnp.float32, 0.5)[:4])
+    # Compiled Pallas kernels do not lower on CPU: the default keeps the XLA engine, saying so.
+    pallas = _ForwardBackward(PallasEngine(**BLOCKS["xla"]), 1.0)
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        assert not fallback.use_pallas("logprob", pallas, signature, required=False)
+    assert "Pallas kernel logprob does not compile on cpu, falling back to XLA" in caplog.text
+    with pytest.raises(fallback.KernelUnavailable, match="logprob was required"):
+        fallback.use_pallas("logprob", pallas, signature, required=True)
+    xla = _ForwardBackward(XlaEngine(**BLOCKS["xla"]), 1.0)
+    assert fallback.use_pallas("logprob", xla, signature, required=True)

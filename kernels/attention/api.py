@@ -71,9 +71,10 @@ def attention(
         if implementation == "pallas" and jax.default_backend() == "cpu" and not interpret:
             raise ValueError("implementation='pallas' on CPU needs interpret=True")
         kernel = _Blocked("pallas", *_block_sizes("pallas", block_q, block_k), interpret)
-        if fallback.use_pallas("attention", kernel.forward_backward,
-                               fallback.signature(q, k, v, *ids),
-                               required=implementation == "pallas"):
+        # Interpreted kernels always run; compiled ones are checked first.
+        if interpret or fallback.use_pallas("attention", kernel.forward_backward,
+                                            fallback.signature(q, k, v, *ids),
+                                            required=implementation == "pallas"):
             return kernel(q, k, v, *ids)
     return _Blocked("xla", *_block_sizes("xla", block_q, block_k))(q, k, v, *ids)
 

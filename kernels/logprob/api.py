@@ -1,10 +1,12 @@
-"""token_logprobs: picks an implementation; the Pallas kernels fall back to chunked XLA."""
+"""token_logprobs: picks an implementation; the Pallas kernels fall back to chunked XLA,
+logged (kernels.fallback)."""
 
-import functools
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
+from kernels import fallback
 from kernels.logprob.chunked import token_logprobs_chunked
 from kernels.logprob.pallas import PallasEngine
 from kernels.logprob.reference import token_logprobs_reference
@@ -36,8 +38,10 @@ def token_logprobs(
       targets: [N] int token ids in [0, V).
       mask: [N]; rows where mask == 0 return 0, get zero gradient and cost no matmul FLOPs.
       temperature: sampling temperature (> 0), a static Python float.
-      implementation: None (xla on CPU; pallas elsewhere, falling back to xla when the
-        kernels do not compile for these shapes), "reference", "xla" or "pallas".
+      implementation: None (xla on CPU; pallas elsewhere, falling back to xla with a logged
+        warning when the kernels do not compile for these shapes), "reference", "xla" or
+        "pallas" (required: kernels that do not compile raise
+        kernels.fallback.KernelUnavailable).
       row_block, vocab_block: tile sizes of the chosen engine; None keeps its defaults
         (xla 1024 x 4096 for CPU caches, pallas 64 x 128 for GPU tiles).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
@@ -63,10 +67,11 @@ def token_logprobs(
     engine = XlaEngine(**blocks)
     if implementation == "pallas" or (implementation is None and not on_cpu):
         pallas_engine = PallasEngine(**blocks, interpret=interpret)
-        # An explicit request runs the kernels as they are; the default checks that they
-        # compile for these shapes on this backend and otherwise keeps the XLA engine.
-        if implementation == "pallas" or _compiles(
-                pallas_engine, _signature(hidden, lm_head, targets, mask), temperature):
+        check = _ForwardBackward(pallas_engine, temperature)
+        args = fallback.signature(hidden, lm_head, targets, mask)
+        # Interpreted kernels always run; compiled ones are checked first.
+        if interpret or fallback.use_pallas("logprob", check, args,
+                                            required=implementation == "pallas"):
             engine = pallas_engine
     return token_logprobs_chunked(hidden, lm_head, targets, mask, temperature, engine)
 
@@ -88,21 +93,15 @@ def _check_inputs(hidden, lm_head, targets, mask, temperature):
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
-def _signature(*arrays):
-    return tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays)
+@dataclasses.dataclass(frozen=True)
+class _ForwardBackward:
+    """Forward and backward of one engine (hashable: compile checks are cached)."""
 
+    engine: object
+    temperature: float
 
-@functools.lru_cache(maxsize=64)
-def _compiles(engine, signature, temperature: float) -> bool:
-    """Whether forward and backward kernels compile for these shapes on this backend."""
-
-    def forward_backward(hidden, lm_head, targets, mask):
-        f = lambda h, w: token_logprobs_chunked(h, w, targets, mask, temperature, engine)
+    def __call__(self, hidden, lm_head, targets, mask):
+        f = lambda h, w: token_logprobs_chunked(h, w, targets, mask, self.temperature,
+                                                self.engine)
         outputs, vjp = jax.vjp(f, hidden, lm_head)
         return outputs, vjp(outputs)
-
-    try:
-        jax.jit(forward_backward).lower(*signature).compile()
-    except Exception:  # noqa: BLE001 - any lowering/compile failure selects the XLA engine
-        return False
-    return True
