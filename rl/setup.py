@@ -108,7 +108,10 @@ def tokenizer(config, workdir: str, train_tasks: Sequence[Task]) -> Tokenizer:
     if os.path.exists(path):
         return Tokenizer.from_file(path)
     tok = train_bpe(tokenizer_corpus(train_tasks), config.tokenizer.bpe_vocab_size)
-    tok.save(path)
+    # Replaced whole: the other processes of a multi-host run train the same BPE and
+    # may read the file while this one writes it.
+    tok.save(f"{path}.{jax.process_index()}.tmp")
+    os.replace(f"{path}.{jax.process_index()}.tmp", path)
     return tok
 
 
