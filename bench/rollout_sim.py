@@ -76,9 +76,8 @@ import numpy as np
 
 from env.sandbox.base import ExecResult, Sandbox, SandboxError
 from env.tasks import Task
-from env.tools import render_tool_call
 from inference.engine import Engine, EngineError, GenerateRequest, GenerateResult
-from models.tokenizer import TOOL_CALL_END, Tokenizer, render_chat, train_bpe
+from models.tokenizer import TOOL_CALL_END, Tokenizer, render_chat, render_tool_call, train_bpe
 from rl.rollout import (
     SYSTEM_PROMPT,
     Agent,

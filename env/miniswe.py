@@ -24,7 +24,6 @@ import re
 from typing import Any
 
 from env.tasks import Task
-from env.tools import render_tool_call
 
 TEST_RUN = "python3 -m unittest -q"
 GITIGNORE = "__pycache__/\n*.pyc\n"
@@ -438,10 +437,3 @@ def _locate(task: Task, bugs: list[Bug]) -> list[dict[str, Any]]:
     if task.difficulty == 2:
         return [_bash(TEST_RUN), _search(f"def {first.function}"), _view(first.path)]
     return [_bash(TEST_RUN), _view(first.path)]
-
-
-def expert_actions_text(calls: list[dict[str, Any]] | Demo) -> list[str]:
-    """Each call as the exact Hermes `<tool_call>` text the model should generate."""
-    if isinstance(calls, Demo):
-        calls = calls.calls
-    return [render_tool_call(c) for c in calls]

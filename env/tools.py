@@ -26,10 +26,9 @@ import shlex
 from typing import Any
 
 from env.sandbox.base import Sandbox
-from models.tokenizer import render_tool_call  # the chat template's: the text to generate
 
 __all__ = ["TOOL_SCHEMAS", "ToolBox", "ToolCallError", "ToolResult", "cap_text",
-           "parse_tool_call", "render_tool_call", "scrub_timings", "validate_call"]
+           "parse_tool_call", "scrub_timings", "validate_call"]
 
 TOOL_SCHEMAS: list[dict[str, Any]] = [
     {

@@ -14,14 +14,15 @@ that sends `input_ids`) talks to this server and to a real SGLang server alike:
   POST /flush_cache, /abort_request {rid | abort_all}
 
 Run: `python -m inference.server --preset tiny --seed 0 --port 30000`, or
-`--model-path HF_DIR`, or `--config configs/x.py[:arg]` (the model and engine sections
-of a training config, see `engine_from_config`).
+`--model-path HF_DIR`, or `--config WORKDIR/config.json` (the model and engine sections
+of the config a training run wrote in its workdir, see `engine_from_config`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import sys
 import time
@@ -299,7 +300,8 @@ def build_engine(hf_dir: str | None, preset: str | None, seed: int,
 
 def main(argv: Sequence[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", help="configs/x.py[:arg] (uses config.model / config.engine)")
+    p.add_argument("--config", help="a run's config.json (train.py writes it in the workdir; "
+                                     "uses its model and engine sections)")
     p.add_argument("--model-path", help="HF safetensors directory")
     p.add_argument("--preset", help="random model of a models.qwen3.PRESETS size")
     p.add_argument("--seed", type=int, default=0)
@@ -315,9 +317,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.config:
-        from configs.common import load_config
+        import ml_collections
 
-        engine, model_path = engine_from_config(load_config(args.config))
+        with open(args.config) as f:
+            engine, model_path = engine_from_config(ml_collections.ConfigDict(json.load(f)))
     else:
         engine, model_path = build_engine(
             args.model_path, args.preset, args.seed, max_batch=args.max_batch,

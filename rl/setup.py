@@ -24,7 +24,7 @@ from flax import nnx
 from env import miniswe
 from env.tasks import Task, load_tasks
 from models import qwen3
-from models.tokenizer import Tokenizer, train_bpe
+from models.tokenizer import Tokenizer, render_tool_call, train_bpe
 from rl import distributed, learner, prefix
 from rl.rollout import ENGINE_ERROR, Agent
 from rl.sampler import TaskSampler
@@ -96,7 +96,7 @@ def tokenizer_corpus(train_tasks: Sequence[Task]) -> Iterator[str]:
     for task in train_tasks:
         yield task.problem_statement
         yield from (task.repo_files or {}).values()
-        yield "\n".join(miniswe.expert_actions_text(miniswe.expert_demo(task)))
+        yield "\n".join(expert_actions_text(miniswe.expert_demo(task)))
 
 
 def tokenizer(config, workdir: str, train_tasks: Sequence[Task]) -> Tokenizer:
@@ -189,6 +189,14 @@ def sandbox_factory(env_cfg) -> Callable[[Task], Any]:
 # ------------------------------------------------------------------ warm start
 
 
+def expert_actions_text(calls: Sequence[dict[str, Any]] | miniswe.Demo) -> list[str]:
+    """Each expert tool call as the exact `<tool_call>` text the model should generate
+    (rendered by the chat template, models.tokenizer)."""
+    if isinstance(calls, miniswe.Demo):
+        calls = calls.calls
+    return [render_tool_call(c) for c in calls]
+
+
 async def demonstrations(config, agent: Agent, train: Sequence[Task]) -> list[Trajectory]:
     """Scripted expert demonstrations on training tasks, a share of them imperfect,
     rendered through the agent's own loop (identical token layout)."""
@@ -198,7 +206,7 @@ async def demonstrations(config, agent: Agent, train: Sequence[Task]) -> list[Tr
     for task in chosen:
         demo = miniswe.expert_demo(task, imperfect=rng.random() < config.sft.imperfect_share,
                                    rng=rng)
-        scripts.append((task, miniswe.expert_actions_text(demo)))
+        scripts.append((task, expert_actions_text(demo)))
     with progress(len(scripts), "demonstrations") as bar:
         async def one(task, actions):
             traj = await agent.demonstrate(task, actions)

@@ -21,7 +21,7 @@ from env.episode import (
 )
 from env.miniswe import expert_demo, generate_tasks
 from env.tasks import Task
-from env.tools import render_tool_call
+from models.tokenizer import render_tool_call
 
 
 @pytest.fixture(params=BACKENDS)

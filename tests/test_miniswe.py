@@ -16,8 +16,9 @@ import pytest
 from sandbox_backends import BACKENDS, backend_factory
 
 from env.episode import Episode, grade
-from env.miniswe import TEST_RUN, expert_actions_text, expert_demo, generate_tasks
+from env.miniswe import TEST_RUN, expert_demo, generate_tasks
 from env.tools import parse_tool_call
+from rl.setup import expert_actions_text
 
 RUN_EACH = """
 import json, sys, unittest

@@ -91,7 +91,7 @@ def test_expert_demonstration_token_accounting(model, tokenizer, factory):
     agent = make_agent(model, tokenizer, factory, max_steps=8, max_response_tokens=2000,
                        max_turn_tokens=400, max_context=4096)
     task = TASKS[0]
-    actions = miniswe.expert_actions_text(miniswe.expert_demo(task))
+    actions = setup.expert_actions_text(miniswe.expert_demo(task))
     traj = asyncio.run(agent.demonstrate(task, actions))
     assert traj.status == "finished" and traj.reward == 1.0
     ids, mask, logp = traj.token_arrays()
@@ -155,7 +155,7 @@ def test_prefix_replay_restores_files_prompt_and_masks(model, tokenizer, factory
                        max_turn_tokens=400, max_context=4096)
     task = next(t for t in TASKS if t.difficulty == 1)
     demo = miniswe.expert_demo(task)
-    source = asyncio.run(agent.demonstrate(task, miniswe.expert_actions_text(demo)))
+    source = asyncio.run(agent.demonstrate(task, setup.expert_actions_text(demo)))
     assert source.num_steps >= 4
     k = 3
     ptask = prefix.make_prefix_task(source, k, "too_hard", step=0)
@@ -195,7 +195,7 @@ def test_replayed_tokens_do_not_influence_the_update(model, tokenizer, factory):
                        max_turn_tokens=200, max_context=2048)
     task = TASKS[0]
     source = asyncio.run(agent.demonstrate(
-        task, miniswe.expert_actions_text(miniswe.expert_demo(task))))
+        task, setup.expert_actions_text(miniswe.expert_demo(task))))
     ptask = prefix.make_prefix_task(source, 2, "too_easy", step=0)
     cont = asyncio.run(agent.run(RolloutJob(task, prefix=ptask, seed=2)))
     perturbed = dataclasses.replace(cont, turns=[

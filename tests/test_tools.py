@@ -16,9 +16,9 @@ from env.tools import (
     ToolCallError,
     cap_text,
     parse_tool_call,
-    render_tool_call,
     scrub_timings,
 )
+from models.tokenizer import render_tool_call
 
 FILES = {
     "calc.py": "def add(a, b):\n    return a - b\n\n\ndef sub(a, b):\n    return a - b\n",
