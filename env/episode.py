@@ -12,13 +12,12 @@ and no reward; they are never a reward of 0.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import re
-import shlex
 from collections.abc import Callable
 from typing import Any
 
+from env.grading import grade
 from env.sandbox import make_sandbox
 from env.sandbox.base import Sandbox, SandboxError
 from env.tasks import Task
@@ -32,19 +31,23 @@ def sandbox_spec(task: Task, backend: str) -> dict[str, Any]:
 
     local: `repo_files` or `repo_dir` (+ `base_commit`). docker: the task's `image`
     (when it has one; otherwise the caller's default image) at `workdir`, with
-    `repo_files` written into it when given.
+    `repo_files` written into it when given. Both: the task's `env_setup` (the image's
+    environment activation), run before every command.
     """
     if backend == "local":
         if task.repo_files is None and task.repo_dir is None:
             raise ValueError(f"task {task.instance_id} has only an image ({task.image}); "
                              "the local backend needs repo_files or repo_dir")
-        spec = {"repo_files": task.repo_files, "repo_dir": task.repo_dir}
+        spec = {"repo_files": task.repo_files, "repo_dir": task.repo_dir,
+                **({"env_setup": task.env_setup} if task.env_setup else {})}
         return {**spec, "base_commit": task.base_commit or None} if task.repo_dir else spec
     if backend == "docker":
         if task.repo_dir is not None and task.repo_files is None:
             raise ValueError(f"task {task.instance_id}: the docker backend takes an image or "
                              "repo_files, not repo_dir")
         spec: dict[str, Any] = {"workdir": task.workdir}
+        if task.env_setup:
+            spec["env_setup"] = task.env_setup
         if task.image:
             spec["image"] = task.image
         if task.repo_files is not None:
@@ -186,86 +189,20 @@ class Episode:
     # ---- reward ------------------------------------------------------------------------------
 
     def reward(self) -> float | None:
-        """Runs the task's tests once: 1.0 if they all pass, else 0.0; None on env_error."""
+        """Grades the task's tests once (env.grading): 1.0 or 0.0; None on env_error,
+        which a run in which the tests never ran also is."""
         if not self._graded and self.status != "env_error":
             if self.sandbox is None:
                 raise RuntimeError("reward() needs an open sandbox (before close())")
             try:
-                self._reward, self.test_output = grade(self.task, self.sandbox, self.test_timeout)
+                result = grade(self.task, self.sandbox, self.test_timeout)
+                self._reward, self.test_output = result.reward, result.output
+                if result.error:  # the tests never ran: no task outcome
+                    self.status, self.error = "env_error", result.error
             except SandboxError as e:
                 self._fail(e)
             self._graded = True
         return None if self.status == "env_error" else self._reward
-
-
-def test_command(task: Task) -> str:
-    """The task's test command with `{tests}` replaced by the quoted test ids."""
-    return task.test_command.replace("{tests}", " ".join(shlex.quote(t) for t in task.tests))
-
-
-def grade(task: Task, sandbox: Sandbox, timeout: float = 300.0) -> tuple[float, str]:
-    """(reward, test output). Test files are restored first so edits to them do not count.
-
-    R2E-Gym tasks (`expected_output`): 1 iff the pytest `-rA` summary of the test
-    run matches `expected_output` exactly (R2E-Gym's `_calculate_reward_r2e`).
-    Others: 1 iff the test command, given FAIL_TO_PASS + PASS_TO_PASS, exits 0.
-    """
-    if task.test_patch:
-        paths = re.findall(r"^diff --git a/(\S+) b/", task.test_patch, flags=re.MULTILINE)
-        base = shlex.quote(task.base_commit or "HEAD")
-        # Each file the test patch touches goes back to its base version (or away, if new).
-        sandbox.run("; ".join(f"{{ git checkout {base} -- {q} 2>/dev/null || rm -f -- {q}; }}"
-                              for q in map(shlex.quote, paths)) + "; true", timeout=60)
-        try:
-            sandbox.apply_patch(task.test_patch)
-        except ValueError as e:
-            return 0.0, f"test_patch does not apply: {e}"
-    restore = _restore_test_files(task)
-    command = f"{restore} && ({test_command(task)})" if restore else test_command(task)
-    res = sandbox.run(command, timeout=timeout)
-    if res.timed_out:
-        return 0.0, res.output
-    if task.expected_output is not None:
-        return float(r2e_outcome_matches(parse_pytest_summary(res.output),
-                                         task.expected_output)), res.output
-    return float(res.exit_code == 0), res.output
-
-
-def _restore_test_files(task: Task) -> str:
-    """Shell that rewrites `test_files` with their original content (base64, so any
-    text survives quoting), chained before the test command in one call."""
-    writes = []
-    for path in task.test_files:
-        if task.repo_files is not None and path in task.repo_files:
-            data = base64.b64encode(task.repo_files[path].encode()).decode()
-            writes.append(f"echo {data} | base64 -d > {shlex.quote(path)}")
-    return " && ".join(writes)
-
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-def parse_pytest_summary(log: str) -> dict[str, str]:
-    """Test name -> PASSED/FAILED/ERROR from pytest's `short test summary info`
-    (`-rA`), named as R2E-Gym names them: the node id after the file, '::' -> '.'."""
-    log = _ANSI.sub("", log.replace("\r", ""))
-    if "short test summary info" not in log:
-        return {}
-    status_map = {}
-    for line in log.split("short test summary info", 1)[1].strip().splitlines():
-        for status in ("PASSED", "FAILED", "ERROR"):
-            if status in line:
-                status_map[".".join(line.split("::")[1:]).split(" - ")[0]] = status
-                break
-    return status_map
-
-
-def r2e_outcome_matches(parsed: dict[str, str], expected: dict[str, str]) -> bool:
-    """Same tests, same statuses (names compared before any ' - ' suffix)."""
-    strip = lambda d: {_ANSI.sub("", k).split(" - ")[0]: v for k, v in d.items()}
-    parsed, expected = strip(parsed), strip(expected)
-    return len(parsed) == len(expected) and all(
-        not k or expected.get(k) == v for k, v in parsed.items())
 
 
 # ---- replay ----------------------------------------------------------------------------------

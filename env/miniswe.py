@@ -26,6 +26,8 @@ from typing import Any
 from env.tasks import Task
 
 TEST_RUN = "python3 -m unittest -q"
+# Grading names every test's result (env.grading.parse_unittest): verbose.
+GRADE_RUN = "python3 -m unittest -v"
 GITIGNORE = "__pycache__/\n*.pyc\n"
 _SITE = re.compile(r"«([^»]*)»")
 _WORDS = ("cat", "apple", "river", "stone", "blue", "moon", "tiger", "lamp", "sun", "tree")
@@ -301,7 +303,8 @@ def _assemble(repo: _Repo, broken: list[Fn], buggy: dict[str, int], named: Fn | 
         problem_statement=statement,
         FAIL_TO_PASS=[t for t in test_ids if t.rsplit(".test_", 1)[1] in failing],
         PASS_TO_PASS=[t for t in test_ids if t.rsplit(".test_", 1)[1] not in failing],
-        test_command=TEST_RUN + " {tests}",
+        test_command=GRADE_RUN + " {tests}",
+        log_parser="unittest",
         repo=f"miniswe/{repo.caller}",
         repo_files=files,
         gold_patch=gold,

@@ -1,18 +1,23 @@
 """One task schema for SWE-bench rows, R2E-Gym rows and generated mini-SWE repos.
 
 Row conventions matched (field names as the datasets spell them):
-- SWE-bench: `instance_id, repo, base_commit, patch, test_patch, problem_statement,
-  FAIL_TO_PASS, PASS_TO_PASS`, the two test lists as JSON strings. The harness keeps
-  the test command per repo/version outside the row; give it as `test_command` or
-  the pytest default below is used.
+- SWE-bench / SWE-bench-Verified: `instance_id, repo, version, base_commit, patch,
+  test_patch, problem_statement, FAIL_TO_PASS, PASS_TO_PASS`, the two test lists as
+  JSON strings. A raw row loads as it is: its image comes from the image template
+  (`env.swebench.SWEBENCH_IMAGE_TEMPLATE` unless given), its test command, parser and
+  environment activation from `env.swebench.REPO_SPECS`, its test files from test_patch.
 - R2E-Gym: `repo_name, docker_image, commit_hash, problem_statement,
   expected_output_json` (a JSON string mapping test name -> PASSED/FAILED/ERROR).
   The image holds the repository at /testbed and `/root/run_tests.sh`, which runs
   the held-out tests of `/root/r2e_tests` (linked into the repo while it runs);
   the reward compares its pytest `-rA` summary with `expected_output_json`.
 
-`test_command` may contain `{tests}`, replaced by the shell-quoted FAIL_TO_PASS +
-PASS_TO_PASS ids; exit status 0 then means every listed test passed.
+Fields a row may add to any of them: `image`, `test_command` (wins over the table;
+`{tests}` = the listed test ids, `{test_files}` = the test files, `{test_labels}` =
+them as Django labels, all shell-quoted), `log_parser` (a name in
+env.grading.PARSER_NAMES), `env_setup` (shell run before every command), `test_files`,
+`protect_tests` (false for datasets whose tasks edit tests). env/grading.py says how
+they are used.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import dataclasses
 import json
 from typing import Any
 
+from env import swebench
+
 R2E_TEST_COMMAND = (
     "rm -rf r2e_tests && ln -s /root/r2e_tests r2e_tests && bash /root/run_tests.sh; "
     "status=$?; rm -f r2e_tests; exit $status")
-PYTEST_TEST_COMMAND = "python -m pytest -rA {tests}"
+PYTEST_TEST_COMMAND = "python -m pytest -rA {test_files}"
 
 
 @dataclasses.dataclass
@@ -33,9 +40,11 @@ class Task:
 
     Exactly one source: `image` (a Docker image with the repo at `workdir`), or
     `repo_files` (path -> text) / `repo_dir` (a host directory) copied into a fresh
-    sandbox. `test_files` are restored to their `repo_files` content before grading
-    so an edited test cannot pass itself; `test_patch` is applied before grading
-    (SWE-bench).
+    sandbox. Grading (env.grading) restores test files and test infrastructure to
+    the base commit, applies `test_patch`, runs `test_command` after `env_setup` and
+    reads the log with `log_parser` ("" = "pytest" for the default command,
+    "r2e" with `expected_output`, else "exit_code": the command judges itself).
+    `test_infra`: globs of the test runner's own files, also restored.
     """
 
     instance_id: str
@@ -55,7 +64,18 @@ class Task:
     expected_output: dict[str, str] | None = None
     split: str = ""
     difficulty: int | None = None
+    version: str = ""
+    log_parser: str = ""
+    env_setup: str = ""
+    test_infra: list[str] = dataclasses.field(default_factory=list)
+    protect_tests: bool = True
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.log_parser:
+            self.log_parser = ("r2e" if self.expected_output is not None else
+                               "pytest" if self.test_command == PYTEST_TEST_COMMAND else
+                               "exit_code")
 
     @property
     def tests(self) -> list[str]:
@@ -113,50 +133,96 @@ def _expected_output(row: dict, where: str) -> dict[str, str] | None:
     return value
 
 
-def task_from_row(row: Any, where: str = "row") -> Task:
-    """Builds a Task from a SWE-bench, R2E-Gym or native row; TaskRowError if invalid."""
+def _harness_defaults(row: dict, where: str, image_template: str) -> dict[str, Any]:
+    """What the official harness supplies beside the row: for SWE-bench rows (`repo` and
+    `version`) the image from `image_template`, the test command, parser, activation,
+    runner files and test files of the repository (env.swebench); for R2E-Gym rows
+    (`expected_output_json`) run_tests.sh and its activation; else the pytest default."""
+    if "expected_output_json" in row:
+        return {"test_command": R2E_TEST_COMMAND, "log_parser": "r2e",
+                "env_setup": swebench.R2E_ACTIVATE}
+    if not ("repo" in row and "version" in row):
+        return {"test_command": PYTEST_TEST_COMMAND}
+    repo, version = _field(row, where, "repo"), _field(row, where, "version", default="")
+    spec = swebench.repo_spec(repo, version) or swebench.RepoSpec()
+    command = spec.test_command + (" {test_labels}" if spec.django_labels else " {test_files}")
+    instance_id = _field(row, where, "instance_id", default="")
+    return {
+        "image": swebench.image_name(image_template, instance_id)
+        if image_template and instance_id else "",
+        "test_command": f"{spec.install}; {command}" if spec.install else command,
+        "log_parser": spec.parser,
+        "env_setup": "\n".join(filter(None, (swebench.CONDA_ACTIVATE, spec.setup))),
+        "test_infra": list(spec.infra),
+        "test_files": swebench.test_directives(_field(row, where, "test_patch", default="")),
+    }
+
+
+KNOWN_FIELDS = {
+    "instance_id", "problem_statement", "FAIL_TO_PASS", "PASS_TO_PASS", "test_command", "repo",
+    "repo_name", "base_commit", "image", "docker_image", "image_name", "repo_files", "repo_dir",
+    "workdir", "patch", "test_patch", "test_files", "expected_output_json", "split",
+    "difficulty", "version", "log_parser", "env_setup", "test_infra", "protect_tests"}
+
+
+def task_from_row(row: Any, where: str = "row",
+                  image_template: str = swebench.SWEBENCH_IMAGE_TEMPLATE) -> Task:
+    """Builds a Task from a SWE-bench, R2E-Gym or native row; TaskRowError if invalid.
+
+    A SWE-bench row without an image gets `image_template` filled with its instance id
+    (env.swebench.image_name); "" turns that off.
+    """
     if not isinstance(row, dict):
         raise TaskRowError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    harness = _harness_defaults(row, where, image_template)
     image = _field(row, where, "image", "docker_image", "image_name", default="")
     repo_files = _field(row, where, "repo_files", kind=dict)
     if repo_files is not None and not all(
             isinstance(k, str) and isinstance(v, str) for k, v in repo_files.items()):
         raise TaskRowError(f"{where}: field 'repo_files' must map paths to text")
     repo_dir = _field(row, where, "repo_dir")
+    image = image or ("" if repo_files is not None or repo_dir else harness.get("image", ""))
     if not (image or repo_files or repo_dir):
         raise TaskRowError(
             f"{where}: missing field 'image' (or 'docker_image' / 'image_name'), "
-            "'repo_files' or 'repo_dir': the task has no repository source")
-    expected = _expected_output(row, where)
-    default_command = R2E_TEST_COMMAND if expected is not None else PYTEST_TEST_COMMAND
+            "'repo_files' or 'repo_dir': the task has no repository source (SWE-bench rows "
+            "need 'repo', 'version' and 'instance_id' for the image template)")
     instance_id = _field(row, where, "instance_id", default=image)
     if not instance_id:
         raise TaskRowError(f"{where}: missing field 'instance_id'")
-    difficulty = _field(row, where, "difficulty", kind=int)
-    known = {"instance_id", "problem_statement", "FAIL_TO_PASS", "PASS_TO_PASS", "test_command",
-             "repo", "repo_name", "base_commit", "image", "docker_image", "image_name",
-             "repo_files", "repo_dir", "workdir", "patch", "test_patch", "test_files",
-             "expected_output_json", "split", "difficulty"}
+    log_parser = _field(row, where, "log_parser", default=harness.get("log_parser", ""))
+    _check_parser(log_parser, where)
     return Task(
         instance_id=instance_id,
         problem_statement=_field(row, where, "problem_statement", required=True),
         FAIL_TO_PASS=_test_list(row, where, "FAIL_TO_PASS"),
         PASS_TO_PASS=_test_list(row, where, "PASS_TO_PASS"),
-        test_command=_field(row, where, "test_command", default=default_command),
+        test_command=_field(row, where, "test_command", default=harness["test_command"]),
         repo=_field(row, where, "repo", "repo_name", default=""),
         base_commit=_field(row, where, "base_commit", default=""),
-        image=image,
-        repo_files=repo_files,
-        repo_dir=repo_dir,
+        image=image, repo_files=repo_files, repo_dir=repo_dir,
         workdir=_field(row, where, "workdir", default="/testbed"),
         gold_patch=_field(row, where, "patch", default=""),
         test_patch=_field(row, where, "test_patch", default=""),
-        test_files=_test_list(row, where, "test_files"),
-        expected_output=expected,
+        test_files=_test_list(row, where, "test_files") or harness.get("test_files", []),
+        expected_output=_expected_output(row, where),
         split=_field(row, where, "split", default=""),
-        difficulty=difficulty,
-        metadata={k: v for k, v in row.items() if k not in known},
+        difficulty=_field(row, where, "difficulty", kind=int),
+        version=_field(row, where, "version", default=""),
+        log_parser=log_parser,
+        env_setup=_field(row, where, "env_setup", default=harness.get("env_setup", "")),
+        test_infra=_test_list(row, where, "test_infra") or harness.get("test_infra", []),
+        protect_tests=_field(row, where, "protect_tests", kind=bool, default=True),
+        metadata={k: v for k, v in row.items() if k not in KNOWN_FIELDS},
     )
+
+
+def _check_parser(name: str, where: str) -> None:
+    from env.grading import PARSER_NAMES  # grading builds on this module
+
+    if name and name not in PARSER_NAMES:
+        raise TaskRowError(f"{where}: field 'log_parser' is {name!r}; known: "
+                           f"{', '.join(PARSER_NAMES)}")
 
 
 def task_to_row(task: Task) -> dict[str, Any]:
@@ -168,13 +234,16 @@ def task_to_row(task: Task) -> dict[str, Any]:
         "image": task.image, "repo_files": task.repo_files, "repo_dir": task.repo_dir,
         "workdir": task.workdir, "patch": task.gold_patch, "test_patch": task.test_patch,
         "test_files": task.test_files, "expected_output_json": task.expected_output,
-        "split": task.split, "difficulty": task.difficulty,
+        "split": task.split, "difficulty": task.difficulty, "version": task.version,
+        "log_parser": task.log_parser, "env_setup": task.env_setup,
+        "test_infra": task.test_infra, "protect_tests": task.protect_tests,
     }
     return {**task.metadata, **{k: v for k, v in row.items() if v is not None}}
 
 
-def load_tasks(path: str) -> list[Task]:
-    """Reads a JSONL file of task rows; blank lines are skipped."""
+def load_tasks(path: str, image_template: str = swebench.SWEBENCH_IMAGE_TEMPLATE
+               ) -> list[Task]:
+    """Reads a JSONL file of task rows (see task_from_row); blank lines are skipped."""
     tasks = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -185,5 +254,5 @@ def load_tasks(path: str) -> list[Task]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TaskRowError(f"{where}: invalid JSON: {e.msg}") from e
-            tasks.append(task_from_row(row, where))
+            tasks.append(task_from_row(row, where, image_template))
     return tasks

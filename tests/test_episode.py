@@ -10,15 +10,8 @@ import random
 import pytest
 from sandbox_backends import BACKENDS, backend_factory, docker_defaults, tree_hashes
 
-from env.episode import (
-    Episode,
-    grade,
-    parse_pytest_summary,
-    r2e_outcome_matches,
-    restore,
-    same_observation,
-    sandbox_factory,
-)
+from env.episode import Episode, restore, same_observation, sandbox_factory
+from env.grading import grade, parse_r2e, r2e_outcome_matches
 from env.miniswe import expert_demo, generate_tasks
 from env.tasks import Task
 from models.tokenizer import render_tool_call
@@ -132,12 +125,12 @@ def test_r2e_gym_and_test_patch_grading(factory):
     log = ("============ short test summary info ============\n"
            "PASSED r2e_tests/test_t.py::TestT::test_a\n"
            "FAILED r2e_tests/test_t.py::TestT::test_b - AssertionError: x\n")
-    assert parse_pytest_summary("noise\n" + log) == {"TestT.test_a": "PASSED",
+    assert parse_r2e("noise\n" + log) == {"TestT.test_a": "PASSED",
                                                      "TestT.test_b": "FAILED"}
-    assert parse_pytest_summary("no summary") == {}
+    assert parse_r2e("no summary") == {}
     expected = {"TestT.test_a": "PASSED", "TestT.test_b": "FAILED"}
-    assert r2e_outcome_matches(parse_pytest_summary(log), expected)
-    assert not r2e_outcome_matches(parse_pytest_summary(log), {"TestT.test_a": "PASSED"})
+    assert r2e_outcome_matches(parse_r2e(log), expected)
+    assert not r2e_outcome_matches(parse_r2e(log), {"TestT.test_a": "PASSED"})
 
     files = {"log.txt": log, "a.py": "A = 1\n"}
     r2e = Task("r2e", "x", repo_files=files, expected_output=expected,

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
+from env import swebench
+from env.grading import grading_command
 from env.tasks import (
-    PYTEST_TEST_COMMAND,
     R2E_TEST_COMMAND,
     TaskRowError,
     load_tasks,
@@ -63,9 +64,41 @@ def test_swe_bench_row_parses_json_string_test_lists(tmp_path):
     assert task.base_commit == SWE_BENCH_ROW["base_commit"]
     assert task.image == SWE_BENCH_ROW["image_name"]
     assert task.repo == "astropy/astropy"
-    assert task.test_command == PYTEST_TEST_COMMAND
-    assert task.expected_output is None
-    assert task.metadata["version"] == "4.3"
+    # the harness's facts for astropy 4.3: its command on the test patch's files, its parser
+    assert task.version == "4.3" and task.log_parser == "pytest_v2"
+    assert task.test_files == ["astropy/modeling/tests/test_separable.py"]
+    assert grading_command(task) == "pytest -rA astropy/modeling/tests/test_separable.py"
+    assert "conda activate testbed" in task.env_setup
+    assert task.expected_output is None and task.protect_tests
+
+
+def test_raw_swe_bench_rows_load_with_the_image_template(tmp_path):
+    raw = {k: v for k, v in SWE_BENCH_ROW.items() if k != "image_name"}
+    django = {**raw, "instance_id": "django__django-11099", "repo": "django/django",
+              "version": "3.0", "test_patch": "diff --git a/tests/auth_tests/test_validators.py "
+              "b/tests/auth_tests/test_validators.py\n"}
+    sympy = {**raw, "instance_id": "sympy__sympy-20590", "repo": "sympy/sympy", "version": "1.7",
+             "test_patch": "diff --git a/sympy/core/tests/test_basic.py "
+             "b/sympy/core/tests/test_basic.py\ndiff --git a/doc/x.txt b/doc/x.txt\n"}
+    astropy, django, sympy = load_tasks(_write(tmp_path, [raw, django, sympy]))
+    assert astropy.image == "swebench/sweb.eval.x86_64.astropy_1776_astropy-12907:latest"
+    assert django.image == "swebench/sweb.eval.x86_64.django_1776_django-11099:latest"
+    assert grading_command(django) == ("./tests/runtests.py --verbosity 2 --settings=test_sqlite "
+                                    "--parallel 1 auth_tests.test_validators")
+    assert django.log_parser == "django" and "LC_ALL=en_US.UTF-8" in django.env_setup
+    assert grading_command(sympy).endswith("bin/test -C --verbose sympy/core/tests/test_basic.py")
+    assert sympy.log_parser == "sympy" and "bin/test" in sympy.test_infra
+    (own,) = load_tasks(_write(tmp_path, [raw]), image_template="reg.local/{instance_id}:v1")
+    assert own.image == "reg.local/astropy__astropy-12907:v1"
+    # a row's explicit fields win over the table
+    row = {**raw, "test_command": "tox -e py -- {test_files}", "log_parser": "pytest",
+           "env_setup": "", "protect_tests": False}
+    task = task_from_row(row)
+    assert (task.test_command, task.log_parser, task.env_setup, task.protect_tests) == (
+        row["test_command"], "pytest", "", False)
+    assert task_from_row(task_to_row(task)) == task
+    assert swebench.repo_spec("django/django", "1.9").test_command == (
+        "./tests/runtests.py --verbosity 2")
 
 
 def test_r2e_gym_row(tmp_path):
@@ -78,6 +111,7 @@ def test_r2e_gym_row(tmp_path):
                                     "TestTable.test_sparse": "PASSED"}
     assert task.test_command == R2E_TEST_COMMAND
     assert "/root/run_tests.sh" in task.test_command
+    assert task.log_parser == "r2e" and "/root/.venv/bin" in task.env_setup
     assert task.metadata["commit_hash"] == R2E_ROW["commit_hash"]
 
 
@@ -95,7 +129,8 @@ def test_native_row_round_trip(tmp_path):
     ({**SWE_BENCH_ROW, "FAIL_TO_PASS": "[not json"}, "FAIL_TO_PASS"),
     ({**SWE_BENCH_ROW, "PASS_TO_PASS": 7}, "PASS_TO_PASS"),
     ({**SWE_BENCH_ROW, "FAIL_TO_PASS": "[1, 2]"}, "FAIL_TO_PASS"),
-    ({k: v for k, v in SWE_BENCH_ROW.items() if k != "image_name"}, "image"),
+    ({k: v for k, v in SWE_BENCH_ROW.items() if k not in ("image_name", "version")}, "image"),
+    ({**SWE_BENCH_ROW, "log_parser": "nose"}, "log_parser"),
     ({**R2E_ROW, "expected_output_json": "{oops"}, "expected_output_json"),
     ({**SWE_BENCH_ROW, "difficulty": "hard"}, "difficulty"),
     ({"problem_statement": "x", "repo_files": {"a.py": "1"}}, "instance_id"),

@@ -142,6 +142,8 @@ class DockerSandbox(base.Sandbox):
       max_output_bytes: cap on the output kept per `run` (head and tail halves).
       labels: extra container labels (LABEL=1 is always set).
       client: docker client (default: `connect()`).
+      env_setup: shell run before every `run` command: the image's environment
+        activation (official images activate theirs only in an interactive `.bashrc`).
     """
 
     def __init__(
@@ -156,6 +158,7 @@ class DockerSandbox(base.Sandbox):
         max_output_bytes: int = 1 << 20,
         labels: Mapping[str, str] | None = None,
         client: docker.DockerClient | None = None,
+        env_setup: str = "",
     ):
         if not posixpath.isabs(workdir):
             raise ValueError(f"workdir must be an absolute path, got {workdir!r}")
@@ -163,6 +166,7 @@ class DockerSandbox(base.Sandbox):
             raise ValueError("base_commit cannot be combined with repo_files (new history)")
         self.workdir = workdir
         self.max_output_bytes = max_output_bytes
+        self.env_setup = env_setup
         self.container_id: str | None = None
         self._client = client or connect()
         with docker_errors(f"creating a container from {image}"):
@@ -277,6 +281,7 @@ class DockerSandbox(base.Sandbox):
     def run(self, cmd: str, timeout: float = 60.0) -> base.ExecResult:
         """Runs `bash -c cmd` in `workdir`; see the module docstring for limits and cleanup."""
         start = time.monotonic()
+        cmd = f"{self.env_setup}\n{cmd}" if self.env_setup else cmd
         code, out, _ = self._exec(["bash", "-c", RUN_WRAPPER, "sandbox", f"{timeout:g}", cmd],
                                   timeout, cap=self.max_output_bytes)
         # `timeout -s KILL` exits 137 (bash: 128 + SIGKILL); an OOM kill exits 137 too,

@@ -96,6 +96,7 @@ class LocalSandbox(base.Sandbox):
       max_output_bytes: cap on the output kept per `run` (head and tail halves).
       env: extra environment variables for commands.
       root_dir: where the temp directory is created (default: the system temp dir).
+      env_setup: shell run before every `run` command (an environment's activation).
     """
 
     def __init__(
@@ -107,6 +108,7 @@ class LocalSandbox(base.Sandbox):
         max_output_bytes: int = 1 << 20,
         env: Mapping[str, str] | None = None,
         root_dir: str | None = None,
+        env_setup: str = "",
     ):
         if (repo_files is None) == (repo_dir is None):
             raise ValueError("give exactly one of repo_files and repo_dir")
@@ -114,6 +116,7 @@ class LocalSandbox(base.Sandbox):
             raise ValueError("base_commit needs repo_dir (repo_files start a new history)")
         self.limits = limits
         self.max_output_bytes = max_output_bytes
+        self.env_setup = env_setup
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen] = set()
         self._closed = False
@@ -255,6 +258,7 @@ class LocalSandbox(base.Sandbox):
 
     def run(self, cmd: str, timeout: float = 60.0) -> base.ExecResult:
         """Runs `bash -c cmd` in the repository root; see the module docstring for limits."""
+        cmd = f"{self.env_setup}\n{cmd}" if self.env_setup else cmd
         done = self._exec(["bash", "-c", cmd], timeout, cap=self.max_output_bytes)
         return base.ExecResult(exit_code=done.exit_code, output=done.stdout.text(),
                                timed_out=done.timed_out, truncated=done.stdout.truncated)

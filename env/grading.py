@@ -1,0 +1,459 @@
+"""Grading a task's tests in its sandbox, per test, as the official harnesses grade them.
+
+One path for every task (SWE-bench, R2E-Gym, mini-SWE, native rows):
+
+1. Protect the tests (unless `task.protect_tests` is off): every file the agent changed
+   that is a test or test infrastructure goes back to the base commit (`restore_plan`),
+   then `test_patch` is applied. Test infrastructure: every `conftest.py`, `pytest.ini`,
+   `tox.ini`, the pytest sections of `setup.cfg` / `pyproject.toml`, the test files of
+   the row and the test directories holding them, the runner's own files
+   (`task.test_infra`), and modules named like a standard-library module outside any
+   package (a `unittest.py` in the repository root shadows the real one).
+2. Run `task.test_command` (the sandbox runs `task.env_setup` before it, as before the
+   agent's commands: env.episode.sandbox_spec), and read the log with the task's
+   parser (`PARSERS`): test name -> PASSED / FAILED / ERROR / SKIPPED / XFAIL.
+3. Grade: R2E-Gym rows (`expected_output`) must reproduce `expected_output_json`
+   exactly; others pass when no FAIL_TO_PASS or PASS_TO_PASS test is FAILED, ERROR or
+   missing from the log (SWE-bench `get_eval_tests_report`: a skipped test is neither
+   a success nor a failure). The `exit_code` parser grades by the command's status.
+
+A run in which none of the listed tests ran (the interpreter is missing, collection
+failed, nothing was collected, the parser found none of them, the run timed out) is
+no task outcome. The tests are then run once more from a reference state (base +
+gold patch + test_patch, or base + test_patch without a gold patch): if they run
+there, the agent's change stopped them and the reward is 0; if they do not, the
+result is an env_error carrying the reason (`Grade.error`). Grading leaves the tree
+in the state it graded.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import posixpath
+import re
+import shlex
+import sys
+from collections.abc import Callable
+from typing import NamedTuple
+
+from env.sandbox.base import Sandbox
+from env.swebench import NON_TEST_EXTS, patch_paths, test_directives
+from env.tasks import Task
+
+GIT = "git -c safe.directory=* -c core.quotepath=off"
+STATUSES = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL")
+FAILING = ("FAILED", "ERROR")
+TEST_DIR_NAMES = {"tests", "test", "testing"}
+INFRA_NAMES = {"conftest.py", "pytest.ini", "tox.ini"}
+SECTION_FILES = {"setup.cfg": lambda s: s in ("tool:pytest", "pytest"),
+                 "pyproject.toml": lambda s: s.startswith("tool.pytest")}
+# Names a module in a directory on sys.path would shadow. `test` (CPython's own suite)
+# is left out: repositories have their own `test` directories.
+STDLIB = frozenset(sys.stdlib_module_names) - {"test"}
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class Grade(NamedTuple):
+    """reward: 1.0 / 0.0, None when the tests never ran; error: why they never ran
+    ("tests never ran [kind]: detail"), "" otherwise."""
+
+    reward: float | None
+    output: str
+    error: str = ""
+
+
+# ---- log parsers: test name -> status ---------------------------------------------------------
+
+
+def _clean(log: str) -> list[str]:
+    return _ANSI.sub("", log.replace("\r", "")).split("\n")
+
+
+def _pytest_lines(log: str):
+    """(status, rest) of each `-rA` summary line; skips `SKIPPED [N] file:line` counts."""
+    for line in _clean(log):
+        status, _, rest = line.partition(" ")
+        if status in STATUSES and rest.strip() and not re.match(r"\[\d+\]", rest):
+            yield status, rest.strip()
+
+
+def _pytest_full_id(status: str, rest: str) -> str:
+    """The whole node id: up to the `]` that closes a parametrization, else up to the
+    ` - message` pytest appends to FAILED / ERROR / XFAIL lines."""
+    bracketed = re.match(r"\S*?\[.*?\](?= - |$)", rest)
+    if bracketed:
+        return bracketed.group(0)
+    return rest if status == "PASSED" else rest.split(" - ", 1)[0]
+
+
+def parse_pytest(log: str) -> dict[str, str]:
+    """pytest `-rA` summaries. Each test is entered under its whole node id and under
+    the id cut at its first space, the form SWE-bench's `parse_log_pytest` records
+    (`test_x[a b]` -> `test_x[a`); among cut ids that collide the last line wins, as
+    there."""
+    out = {}
+    for status, rest in _pytest_lines(log):
+        out[rest.split()[0]] = status
+        out[_pytest_full_id(status, rest)] = status
+    return out
+
+
+def _short_option(test_id: str) -> str:
+    """`test[/abs/path/x]` -> `test[/x]`: the id form of SWE-bench's pytest-with-options
+    parser (requests, pylint, pydicom), whose ids must not depend on the checkout path."""
+    m = re.fullmatch(r"(.*?)\[(.*)\]", test_id)
+    if not m or not m.group(2).startswith("/") or m.group(2).startswith("//") or "*" in m.group(2):
+        return test_id
+    return f"{m.group(1)}[/{m.group(2).rsplit('/', 1)[-1]}]"
+
+
+def parse_pytest_options(log: str) -> dict[str, str]:
+    return {_short_option(k): v for k, v in parse_pytest(log).items()}
+
+
+def parse_pytest_v2(log: str) -> dict[str, str]:
+    """Later pytest logs (astropy, scikit-learn, sphinx): whole ids, spaces kept as single
+    spaces, and verbose `id STATUS` lines of older pytest versions."""
+    out = {}
+    for line in _clean(log):
+        line = "".join(c for c in line if c >= " " or c == "\t")
+        words = line.split()
+        if len(words) < 2:
+            continue
+        if words[0] in STATUSES:
+            if not re.fullmatch(r"\[\d+\]", words[1]):
+                head = line.split(" - ", 1)[0] if words[0] == "FAILED" else line
+                out[" ".join(head.split()[1:])] = words[0]
+        elif words[-1] in STATUSES:
+            out[" ".join(words[:-1])] = words[-1]
+    return out
+
+
+def parse_django(log: str) -> dict[str, str]:
+    """Django's runner at verbosity 2: `name (module.Class) ... ok|FAIL|ERROR|skipped`.
+    The name is what precedes ` ... ` on the line with the result (a docstring's first
+    line when the test has one), and a bare `ok` line completes the last `...` line
+    whose result was pushed down by the test's own output, as SWE-bench records them."""
+    out, pending = {}, None
+    for line in (raw.strip() for raw in _clean(log)):
+        if " ... " in line:
+            pending = line.split(" ... ", 1)[0]
+        for suffix, status in ((" ... ok", "PASSED"), (" ... OK", "PASSED"),
+                               (" ...  OK", "PASSED"), (" ... FAIL", "FAILED"),
+                               (" ... ERROR", "ERROR")):
+            if line.endswith(suffix):
+                out[line[: -len(suffix)]] = status
+        if " ... skipped" in line:
+            out[line.split(" ... skipped", 1)[0]] = "SKIPPED"
+        if line.startswith(("FAIL:", "ERROR:")) and len(line.split()) > 1:
+            out[line.split()[1]] = "FAILED" if line.startswith("FAIL:") else "ERROR"
+        if line.startswith("ok") and pending is not None:
+            out[pending] = "PASSED"
+    return out
+
+
+def parse_sympy(log: str) -> dict[str, str]:
+    """sympy's `bin/test --verbose`: `test_name ok|F|E` lines, and the `___ path.py:name
+    ___` header of each failure's report (entered as `path.py:name`, FAILED)."""
+    out = {f"{path}.py:{name}": "FAILED"
+           for path, name in re.findall(r"_+ (\S+)\.py:(\S+) _+", log)}
+    for line in (raw.strip() for raw in _clean(log)):
+        words = line.split()
+        if line.startswith("test_") and len(words) > 1:
+            status = {"ok": "PASSED", "F": "FAILED", "E": "ERROR"}.get(words[-1])
+            if status:
+                out[words[0]] = status
+    return out
+
+
+_UNITTEST = re.compile(r"^(\w+) \(([\w.]+)\)(?:\n[^\n]*?)? \.\.\. (ok|FAIL|ERROR|skipped|"
+                       r"expected failure|unexpected success)", re.MULTILINE)
+_UNITTEST_STATUS = {"ok": "PASSED", "FAIL": "FAILED", "ERROR": "ERROR", "skipped": "SKIPPED",
+                    "expected failure": "XFAIL", "unexpected success": "FAILED"}
+
+
+def parse_unittest(log: str) -> dict[str, str]:
+    """`python -m unittest -v`: `test_m (pkg.mod.Class.test_m) ... ok` (Python 3.11+) or
+    `test_m (pkg.mod.Class) ... ok`, entered under the dotted id `pkg.mod.Class.test_m`."""
+    out = {}
+    for name, where, status in _UNITTEST.findall("\n".join(_clean(log))):
+        test_id = where if where.endswith("." + name) else f"{where}.{name}"
+        out[test_id] = _UNITTEST_STATUS[status]
+    return out
+
+
+def parse_r2e(log: str) -> dict[str, str]:
+    """R2E-Gym's reading of a pytest `-rA` summary (`_calculate_reward_r2e`): the node id
+    after the file, `::` -> `.`, cut before ` - `."""
+    log = "\n".join(_clean(log))
+    if "short test summary info" not in log:
+        return {}
+    out = {}
+    for line in log.split("short test summary info", 1)[1].strip().splitlines():
+        for status in ("PASSED", "FAILED", "ERROR"):
+            if status in line:
+                out[".".join(line.split("::")[1:]).split(" - ")[0]] = status
+                break
+    return out
+
+
+PARSERS: dict[str, Callable[[str], dict[str, str]]] = {
+    "pytest": parse_pytest, "pytest_options": parse_pytest_options,
+    "pytest_v2": parse_pytest_v2, "django": parse_django, "sympy": parse_sympy,
+    "unittest": parse_unittest, "r2e": parse_r2e,
+}
+# "exit_code": the command judges itself (exit 0 = every listed test passed).
+PARSER_NAMES = (*PARSERS, "exit_code")
+
+
+def r2e_outcome_matches(parsed: dict[str, str], expected: dict[str, str]) -> bool:
+    """Same tests, same statuses (names compared before any ' - ' suffix)."""
+    strip = lambda d: {_ANSI.sub("", k).split(" - ")[0]: v for k, v in d.items()}
+    parsed, expected = strip(parsed), strip(expected)
+    return len(parsed) == len(expected) and all(
+        not k or expected.get(k) == v for k, v in parsed.items())
+
+
+# ---- per-test grading and "never ran" -----------------------------------------------------------
+
+
+def failing_tests(status: dict[str, str], tests: list[str]) -> list[str]:
+    """The listed tests that failed, errored or are missing from the log."""
+    return [t for t in tests if status.get(t, "FAILED") in FAILING]
+
+
+def never_ran(task: Task, output: str, exit_code: int, timed_out: bool, timeout: float,
+              status: dict[str, str]) -> str:
+    """Why none of the task's tests ran ("kind: detail"), or "" when they ran."""
+    if timed_out:
+        return f"timeout: the test run did not finish in {timeout:g}s"
+    if exit_code in (126, 127):
+        last = (output.strip().splitlines() or [""])[-1]
+        return f"interpreter_missing: the test command could not start (exit {exit_code}): {last}"
+    if task.expected_output is not None or task.log_parser == "exit_code":
+        return "" if status or task.log_parser == "exit_code" else (
+            "tests_not_found: the log has no test summary")
+    if any(t in status for t in task.tests) or not task.tests:
+        return ""
+    text = "\n".join(_clean(output))
+    collect = re.search(r"^(?:ERROR collecting .*|E +\w*Error.*|\w*Error: .*)$", text, re.MULTILINE)
+    if re.search(r"error(s)? during collection|^ERROR collecting|Interrupted: \d+ error", text,
+                 re.MULTILINE) or (exit_code in (2, 3, 4) and collect):
+        return f"collection_failed: {collect.group(0).strip() if collect else 'see the log'}"
+    if re.search(r"collected 0 items|no tests ran|^Ran 0 tests", text, re.MULTILINE) or (
+            exit_code == 5):
+        return "no_tests_collected: the test command collected no tests"
+    return f"tests_not_found: none of the {len(task.tests)} listed tests is in the log"
+
+
+def error_kind(error: str) -> str:
+    """A short counter name for an env_error message: the never-ran kind, else the
+    exception class that ended the episode ("SandboxError")."""
+    m = re.match(r"tests never ran \[(\w+)\]", error)
+    return m.group(1) if m else (error.split(":", 1)[0].strip() or "unknown")
+
+
+# ---- protecting the tests ----------------------------------------------------------------------
+
+
+def listed_test_files(task: Task) -> list[str]:
+    """The row's test files: those test_patch touches, `test_files`, and the files of
+    pytest-style ids (`path::name`)."""
+    paths = patch_paths(task.test_patch) + list(task.test_files)
+    paths += [t.split("::", 1)[0] for t in task.tests if "::" in t]
+    return list(dict.fromkeys(p for p in paths if p))
+
+
+def _test_dirs(paths: list[str]) -> set[str]:
+    """Directories of test files that are test directories (a `tests`/`test`/`testing`
+    component): every file under them is protected. Test files elsewhere (the repository
+    root, a package) are protected one by one."""
+    dirs = set()
+    for path in paths:
+        parts = posixpath.dirname(path).split("/")
+        if TEST_DIR_NAMES & set(parts):
+            dirs.add(posixpath.dirname(path))
+    return dirs
+
+
+def _shadow_name(path: str) -> str | None:
+    """The standard-library module `path` would shadow from a directory on sys.path
+    (`X.py`, `X.pyc`, `X.<tag>.so`, `X/__init__.py`), or None."""
+    parts = path.split("/")
+    name = parts[-1]
+    if name == "__init__.py" and len(parts) > 1:
+        name = parts[-2]
+    elif re.search(r"\.(py|pyc|so|pyd)$", name):
+        name = name.split(".", 1)[0]
+    else:
+        return None
+    return name if name in STDLIB else None
+
+
+def restore_plan(task: Task, changed: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(paths to restore, stdlib shadows to restore unless their directory is a package,
+    setup.cfg / pyproject.toml files whose pytest sections go back to base)."""
+    tests = listed_test_files(task)
+    dirs, tests = _test_dirs(tests), set(tests)
+    restore, shadows, sections = [], [], []
+    for path in changed:
+        name = posixpath.basename(path)
+        if (name in INFRA_NAMES or path in tests
+                or any(path.startswith(d + "/") for d in dirs)
+                or any(fnmatch.fnmatch(path, g) for g in task.test_infra)):
+            restore.append(path)
+        elif name in SECTION_FILES:
+            sections.append(path)
+        elif _shadow_name(path):
+            shadows.append(path)
+    return restore, shadows, sections
+
+
+def _changed_paths(sandbox: Sandbox, base: str) -> list[str]:
+    """Every path that differs from `base`, and every ignored untracked file."""
+    res = sandbox.run(f"{GIT} add -A . >/dev/null 2>&1; {GIT} diff --cached --name-only "
+                      f"--no-renames -z {base} -- && {GIT} ls-files -z -o -i --exclude-standard "
+                      "--directory --no-empty-directory", timeout=120)
+    if res.exit_code != 0:
+        raise RuntimeError(f"listing the changed files failed: {res.output.strip()[-500:]}")
+    return [p for p in res.output.split("\0") if p.strip() and not p.endswith("/")]
+
+
+def _package_init(path: str) -> str:
+    """The `__init__.py` whose presence makes the module at `path` part of a package."""
+    directory = posixpath.dirname(path)
+    if posixpath.basename(path) == "__init__.py":
+        directory = posixpath.dirname(directory)
+    return posixpath.join(directory, "__init__.py")
+
+
+def _restore_command(base: str, restore: list[str], shadows: list[str]) -> str:
+    def back(path: str) -> str:
+        q = shlex.quote(path)
+        return f"{{ {GIT} checkout {base} -- {q} 2>/dev/null || rm -f -- {q}; }}"
+
+    cmds = [back(p) for p in restore]
+    cmds += [f"[ -e {shlex.quote(_package_init(p))} ] || {back(p)}" for p in shadows]
+    return "; ".join(cmds)
+
+
+def _sections(text: str) -> list[tuple[str, str]]:
+    """(section name, text) blocks of an INI / TOML file; the head block is named ''."""
+    blocks, name, lines = [], "", []
+    for line in text.splitlines(keepends=True):
+        m = re.match(r"\s*\[+([^\]]+)\]+\s*(#.*)?$", line)
+        if m:
+            blocks.append((name, "".join(lines)))
+            name, lines = m.group(1).strip(), []
+        lines.append(line)
+    return blocks + [(name, "".join(lines))]
+
+
+def merge_test_sections(current: str, base: str, is_test: Callable[[str], bool]) -> str:
+    """`current` with its test sections replaced by those of `base`."""
+    kept = "".join(b for n, b in _sections(current) if not is_test(n))
+    if kept and not kept.endswith("\n"):
+        kept += "\n"
+    return kept + "".join(b for n, b in _sections(base) if is_test(n))
+
+
+def _restore_sections(sandbox: Sandbox, base: str, paths: list[str]) -> None:
+    for path in paths:
+        shown = sandbox.run(f"{GIT} show {base}:{shlex.quote(path)}", timeout=60)
+        if shown.exit_code != 0:  # new file: its sections cannot have been in the base
+            sandbox.run(f"rm -f -- {shlex.quote(path)}", timeout=60)
+            continue
+        current = sandbox.read_file(path)
+        merged = merge_test_sections(current, shown.output, SECTION_FILES[posixpath.basename(path)])
+        if merged != current:
+            sandbox.write_file(path, merged)
+
+
+def protect_tests(task: Task, sandbox: Sandbox, base: str) -> str:
+    """Restores test files and test infrastructure to `base` (only test_patch's files
+    when `task.protect_tests` is off), then applies test_patch; returns '' or why the
+    test patch does not apply."""
+    restore, shadows, sections = [], [], []
+    if task.protect_tests:
+        restore, shadows, sections = restore_plan(task, _changed_paths(sandbox, base))
+    restore = list(dict.fromkeys(restore + patch_paths(task.test_patch)))
+    command = _restore_command(base, restore, shadows)
+    if command:
+        sandbox.run(command + "; true", timeout=120)
+    _restore_sections(sandbox, base, sections)
+    try:
+        sandbox.apply_patch(task.test_patch)
+    except ValueError as e:
+        return f"test_patch does not apply: {e}"
+    return ""
+
+
+# ---- running and grading -----------------------------------------------------------------------
+
+
+def run_files(task: Task) -> list[str]:
+    """The test files the command runs: the row's `test_files`, else those test_patch
+    touches (data files left out), else the files of pytest-style ids."""
+    return list(task.test_files) or test_directives(task.test_patch) or [
+        p for p in listed_test_files(task) if not p.endswith(NON_TEST_EXTS)]
+
+
+def grading_command(task: Task) -> str:
+    """The task's command with `{tests}` (the listed ids), `{test_files}` (run_files)
+    and `{test_labels}` (run_files as Django labels) replaced, shell-quoted."""
+    files = run_files(task)
+    labels = test_directives("".join(f"diff --git a/{p} b/{p}\n" for p in files), True)
+    quote = lambda items: " ".join(shlex.quote(i) for i in items)
+    return (task.test_command.replace("{tests}", quote(task.tests))
+            .replace("{test_files}", quote(files)).replace("{test_labels}", quote(labels)))
+
+
+def _score(task: Task, output: str, exit_code: int, timed_out: bool, timeout: float
+           ) -> tuple[float | None, str]:
+    """(reward, "") when the tests ran, (None, "kind: detail") when they never ran."""
+    status = {} if task.log_parser == "exit_code" else PARSERS[task.log_parser](output)
+    reason = never_ran(task, output, exit_code, timed_out, timeout, status)
+    if reason:
+        return None, reason
+    if task.expected_output is not None:
+        return float(r2e_outcome_matches(status, task.expected_output)), ""
+    if task.log_parser == "exit_code":
+        return float(exit_code == 0), ""
+    return float(not failing_tests(status, task.tests)), ""
+
+
+def _run(task: Task, sandbox: Sandbox, base: str, timeout: float) -> tuple[float | None, str, str]:
+    """Protects the tests, runs them once: (reward or None, reason it never ran, log)."""
+    problem = protect_tests(task, sandbox, base)
+    if problem:
+        return None, f"test_patch: {problem}", problem
+    res = sandbox.run(grading_command(task), timeout=timeout)
+    reward, reason = _score(task, res.output, res.exit_code, res.timed_out, timeout)
+    return reward, reason, res.output
+
+
+def _reset_to_reference(task: Task, sandbox: Sandbox, base: str) -> bool:
+    """The tree at base + gold patch (when the task has one); False if that fails."""
+    res = sandbox.run(f"{GIT} reset -q --hard {base} && {GIT} clean -fdq", timeout=120)
+    if res.exit_code != 0:
+        return False
+    try:
+        sandbox.apply_patch(task.gold_patch)
+    except ValueError:
+        return False
+    return True
+
+
+def grade(task: Task, sandbox: Sandbox, timeout: float = 300.0) -> Grade:
+    """Grades the sandbox's tree (see the module docstring). Raises SandboxError on
+    infrastructure failure."""
+    base = shlex.quote(getattr(sandbox, "base_commit", "") or task.base_commit or "HEAD")
+    reward, reason, output = _run(task, sandbox, base, timeout)
+    if reward is not None:
+        return Grade(reward, output)
+    kind, _, detail = reason.partition(": ")
+    if _reset_to_reference(task, sandbox, base):
+        ref_reward, _, _ = _run(task, sandbox, base, timeout)
+        if ref_reward is not None:  # the tests run without the agent's change: its fault
+            return Grade(0.0, f"{output}\n[grader] {reason}; they run at the reference state")
+    return Grade(None, output, f"tests never ran [{kind}]: {detail}")
