@@ -6,8 +6,10 @@ An episode's history is a list of `StepRecord(tool_call, observation, patch)`;
 k, or with `reexec=True` by re-running the k calls and reporting every observation
 that came out differently.
 
-Infrastructure failures (`SandboxError`) end the episode with status `env_error`
-and no reward; they are never a reward of 0.
+Infrastructure failures (`SandboxError`), and any other exception out of the sandbox
+or the tools (a bad task row, a bug), end the episode with status `env_error` and no
+reward, the exception in `error`; they are never a reward of 0. A malformed tool call
+is the model's own mistake: an observation, not an error.
 """
 
 from __future__ import annotations
@@ -122,16 +124,16 @@ class Episode:
             raise ValueError("Episode.reset needs a task")
         self.steps, self.status, self.error, self.test_output = [], "running", "", ""
         self._reward, self._graded = None, False
-        try:
-            if isinstance(self._factory, Sandbox):
-                self.sandbox, self._factory = self._factory, None
-            elif self._factory is None:
-                raise ValueError("this Episode was given one sandbox, which is already used")
-            else:
-                self.sandbox = self._factory(self.task)
-        except SandboxError as e:
-            self._fail(e)
+        if isinstance(self._factory, Sandbox):
+            self.sandbox, self._factory = self._factory, None
+        elif self._factory is None:
+            raise ValueError("this Episode was given one sandbox, which is already used")
         else:
+            try:
+                self.sandbox = self._factory(self.task)
+            except Exception as e:  # noqa: BLE001 - a bad task row or a failed engine alike
+                self._fail(e)
+        if self.sandbox is not None:
             self.tools = ToolBox(self.sandbox, repo_root=self.task.workdir, **self.tool_kwargs)
         return self.prompt_template.format(problem_statement=self.task.problem_statement,
                                            workdir=self.task.workdir)
@@ -176,7 +178,7 @@ class Episode:
                 observation, finished, changed = result.observation, result.done, result.changed
             # Read-only calls (view, search, finish, rejected calls) keep the last patch.
             patch = self.sandbox.patch() if changed or not self.steps else self.steps[-1].patch
-        except SandboxError as e:
+        except Exception as e:  # noqa: BLE001 - whatever broke, it is no task outcome
             self._fail(e)
             return f"ERROR: the environment failed: {self.error}", True
         self.steps.append(StepRecord(call, observation, patch, text))

@@ -152,21 +152,33 @@ def parse_tool_call(text: str) -> dict[str, Any]:
             '<tool_call>{"name": ..., "arguments": {...}}</tool_call>.')
     if len(blocks) > 1:
         raise ToolCallError(f"ERROR: found {len(blocks)} tool calls; make exactly one per turn.")
-    try:
-        payload = json.loads(blocks[0])
-    except json.JSONDecodeError as e:
-        raise ToolCallError(f"ERROR: malformed JSON in tool call: {e.msg} at char {e.pos}.") from e
+    payload = _load_json(blocks[0], "tool call")
     if not isinstance(payload, dict):
         raise ToolCallError("ERROR: a tool call must be a JSON object with 'name' and 'arguments'.")
     arguments = payload.get("arguments", {})
     if isinstance(arguments, str):  # OpenAI style: arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError as e:
-            raise ToolCallError(f"ERROR: malformed JSON in 'arguments': {e.msg}.") from e
+        arguments = _load_json(arguments, "'arguments'")
     call = {"name": payload.get("name"), "arguments": arguments}
     validate_call(call)
     return call
+
+
+def _load_json(text: str, what: str) -> Any:
+    """json.loads, with every way it can fail as a ToolCallError: malformed text, and
+    nesting deeper than the parser recurses (RecursionError, e.g. 5000 `[`)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ToolCallError(f"ERROR: malformed JSON in {what}: {e.msg} at char {e.pos}.") from e
+    except RecursionError:
+        raise ToolCallError(f"ERROR: the JSON in {what} is nested too deeply.") from None
+    except ValueError as e:  # e.g. an integer literal beyond int's digit limit
+        raise ToolCallError(f"ERROR: invalid JSON in {what}: {_short(str(e))}.") from None
+
+
+def _short(text: str, limit: int = 80) -> str:
+    """`text` cut to `limit` characters, so an error echoing model output stays small."""
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def validate_call(call: dict[str, Any]) -> None:
@@ -175,8 +187,8 @@ def validate_call(call: dict[str, Any]) -> None:
     if not isinstance(name, str) or not name:
         raise ToolCallError("ERROR: the tool call has no 'name'.")
     if name not in _SCHEMA_BY_NAME:
-        raise ToolCallError(
-            f"ERROR: unknown tool '{name}'. Available tools: {', '.join(_SCHEMA_BY_NAME)}.")
+        raise ToolCallError(f"ERROR: unknown tool '{_short(name)}'. "
+                            f"Available tools: {', '.join(_SCHEMA_BY_NAME)}.")
     arguments = call.get("arguments")
     if not isinstance(arguments, dict):
         raise ToolCallError(f"ERROR: 'arguments' of {name} must be a JSON object.")
@@ -189,7 +201,7 @@ def validate_call(call: dict[str, Any]) -> None:
         if spec is None:
             allowed = ", ".join(schema["properties"])
             raise ToolCallError(
-                f"ERROR: unexpected argument '{key}' for {name}; allowed: {allowed}.")
+                f"ERROR: unexpected argument '{_short(key)}' for {name}; allowed: {allowed}.")
         _check_type(name, key, value, spec)
     if name == "file_editor":
         for key in _EDITOR_REQUIRED[arguments["command"]]:
@@ -214,7 +226,7 @@ def _check_type(tool: str, key: str, value: Any, spec: dict[str, Any]) -> None:
     if "enum" in spec and value not in spec["enum"]:
         raise ToolCallError(
             f"ERROR: argument '{key}' of {tool} must be one of {', '.join(spec['enum'])}; "
-            f"got '{value}'.")
+            f"got '{_short(value)}'.")
 
 
 def _type_name(spec: dict[str, Any]) -> str:

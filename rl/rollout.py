@@ -11,7 +11,9 @@ is fed (not generated) at the start of the next observation.
 
 Budgets, each ending the trajectory with its status:
   max_steps (Episode) -> "max_steps"; generated tokens or context length -> "truncated";
-  wall-clock -> "timeout"; sandbox failure -> "env_error" (never scored).
+  wall-clock -> "timeout"; sandbox failure, or any other exception out of one
+  rollout -> "env_error" (never scored, the exception in `error`; never fails the
+  collection).
 Every trajectory that is not env_error is graded by the task's tests at the end.
 
 A trajectory can start from a prefix of another (Prefix Sampling, DESIGN section 4):
@@ -27,7 +29,6 @@ first B that finish, carry the rest into the next call).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import copy
 import dataclasses
 import functools
@@ -38,6 +39,7 @@ from collections.abc import Callable, Sequence
 
 from env import episode as episode_lib
 from env.sandbox.base import SandboxError
+from env.sandbox.pool import SandboxPool
 from env.tasks import Task
 from env.tools import TOOL_SCHEMAS
 from inference.engine import Engine, EngineError, GenerateRequest
@@ -101,22 +103,22 @@ class Agent:
                  tools_in_prompt: bool = True):
         self.engine = engine
         self.tokenizer = tokenizer
-        self.sandbox_factory = sandbox_factory
         self.cfg = cfg
         self.policy_version = policy_version
         # The tool schemas in the system prompt (Qwen3's format); a model trained from
         # scratch on these tasks can do without them and save the context.
         self.tools = TOOL_SCHEMAS if tools_in_prompt else None
-        self._env_slots = asyncio.Semaphore(max_concurrent_envs)
-        # Sandbox calls block on subprocesses: one thread per live sandbox, so the
-        # default executor's few threads do not become the limit.
-        self._env_threads = concurrent.futures.ThreadPoolExecutor(
-            max_concurrent_envs, thread_name_prefix="env")
+        # Every sandbox comes from the pool: bounded, tracked, and closed on exit, on
+        # exceptions and on SIGTERM. A factory with a `close` (a Docker fleet) is closed
+        # with it. Sandbox calls run in the pool's threads (they block on subprocesses).
+        self.pool = SandboxPool(sandbox_factory, max_concurrent_envs,
+                                on_close=getattr(sandbox_factory, "close", None))
         self.stop_ids = sorted({tokenizer.special_ids[TOOL_CALL_END], tokenizer.eos_id,
                                 tokenizer.pad_id})
 
-    async def _in_env_thread(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._env_threads, fn, *args)
+    def close(self) -> None:
+        """Closes every live sandbox (also done at exit and on SIGTERM)."""
+        self.pool.close()
 
     def with_sampling(self, **sampling) -> Agent:
         """An agent sharing engine, tokenizer and sandbox slots, with other sampling
@@ -160,33 +162,34 @@ class Agent:
     async def _run_once(self, job: RolloutJob, act) -> Trajectory:
         traj = Trajectory(task_id=job.task.instance_id, uid=uuid.uuid4().hex, turns=[],
                           policy_version=self.policy_version)
-        timings = {"generate_s": 0.0, "env_s": 0.0, "grade_s": 0.0}
-        traj.timings = timings
-        async with self._env_slots:
-            t0 = time.perf_counter()
-            try:
-                episode, obs_ids = await self._in_env_thread(self._start, job, traj)
-            except SandboxError as e:
-                traj.status, traj.error = "env_error", f"SandboxError: {e}"
-                return traj
-            timings["env_s"] += time.perf_counter() - t0
-            try:
-                await self._loop(traj, episode, obs_ids, act)
-                if traj.status != "env_error":
-                    t0 = time.perf_counter()
-                    traj.reward = await self._in_env_thread(episode.reward)
-                    timings["grade_s"] += time.perf_counter() - t0
-                    if episode.status == "env_error":
-                        traj.status, traj.error = "env_error", episode.error
-            finally:
-                await self._in_env_thread(episode.close)
+        traj.timings = {"generate_s": 0.0, "env_s": 0.0, "grade_s": 0.0}
+        try:
+            async with self.pool.acquire(job.task) as sandbox:
+                await self._episode(job, traj, sandbox, act)
+        except Exception as e:  # noqa: BLE001 - one broken episode never fails the step
+            _log_env_error(job, e)
+            traj.status, traj.error, traj.reward = "env_error", _describe(e), None
         return traj
 
-    def _start(self, job: RolloutJob, traj: Trajectory):
-        """A ready episode and the ids to feed before the first generated turn."""
+    async def _episode(self, job: RolloutJob, traj: Trajectory, sandbox, act) -> None:
+        """Steps one episode in `sandbox` until it ends, then grades it."""
+        timings = traj.timings
+        t0 = time.perf_counter()
+        episode, obs_ids = await self.pool.call(self._start, job, traj, sandbox)
+        timings["env_s"] += time.perf_counter() - t0
+        await self._loop(traj, episode, obs_ids, act)
+        if traj.status != "env_error":
+            t0 = time.perf_counter()
+            traj.reward = await self.pool.call(episode.reward)
+            timings["grade_s"] += time.perf_counter() - t0
+            if episode.status == "env_error":
+                traj.status, traj.error, traj.reward = "env_error", episode.error, None
+
+    def _start(self, job: RolloutJob, traj: Trajectory, sandbox):
+        """A ready episode in `sandbox` and the ids to feed before the first generated turn."""
         kwargs = {"max_steps": self.cfg.max_steps, "test_timeout": self.cfg.test_timeout_s}
         if job.prefix is None:
-            episode = episode_lib.Episode(self.sandbox_factory, job.task, **kwargs)
+            episode = episode_lib.Episode(sandbox, job.task, **kwargs)
             first = episode.reset()
             if episode.status == "env_error":
                 raise SandboxError(episode.error)
@@ -195,7 +198,7 @@ class Agent:
         p = job.prefix
         records = [episode_lib.StepRecord(t.tool_call, t.observation, t.patch)
                    for t in p.turns]
-        episode, mismatches = episode_lib.restore(job.task, records, p.k, self.sandbox_factory,
+        episode, mismatches = episode_lib.restore(job.task, records, p.k, sandbox,
                                                   reexec=job.replay == "reexec", **kwargs)
         if mismatches:
             log.warning("replay of %s to step %d: %d re-executed observations differ from "
@@ -234,8 +237,7 @@ class Agent:
             context += turn.action_ids
             generated += len(turn.action_ids)
             t0 = time.perf_counter()
-            observation, done = await self._in_env_thread(episode.step,
-                                                        tok.decode(turn.action_ids))
+            observation, done = await self.pool.call(episode.step, tok.decode(turn.action_ids))
             timings["env_s"] += time.perf_counter() - t0
             if episode.status == "env_error":
                 traj.status, traj.error = "env_error", episode.error
@@ -254,6 +256,33 @@ class Agent:
                 obs_ids = [tok.eos_id, *obs_ids]  # close the assistant turn
 
 
+def _describe(error: BaseException) -> str:
+    """`Type: message` of an exception, the message cut to a log line's length."""
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) <= 2000 else text[:2000] + " [...]"
+
+
+def _log_env_error(job: RolloutJob, error: Exception) -> None:
+    """Infrastructure failures are expected and logged briefly; anything else is a bug
+    to see, logged with its traceback (the trajectory is env_error either way)."""
+    if isinstance(error, SandboxError):
+        log.warning("env_error in task %s: %s", job.task.instance_id, _describe(error))
+    else:
+        log.warning("env_error in task %s", job.task.instance_id, exc_info=error)
+
+
+async def run_guarded(agent: Agent, job: RolloutJob) -> Trajectory:
+    """`agent.run(job)`, with any exception it lets through as an env_error trajectory:
+    one rollout never fails a collection (cancellation still propagates)."""
+    try:
+        return await agent.run(job)
+    except Exception as e:  # noqa: BLE001
+        _log_env_error(job, e)
+        return Trajectory(task_id=job.task.instance_id, uid=uuid.uuid4().hex, turns=[],
+                          policy_version=agent.policy_version, status="env_error",
+                          error=_describe(e))
+
+
 def _seed(base: int, attempt: int, turn: int) -> int:
     return (base * 1_000_003 + attempt * 7919 + turn) % (2**31 - 1)
 
@@ -264,7 +293,7 @@ async def collect_groups(agent: Agent, jobs: Sequence[RolloutJob], n: int,
     """N rollouts of every job, all awaited. Returns one group per job, in order."""
 
     async def one(job: RolloutJob, i: int) -> Trajectory:
-        traj = await agent.run(dataclasses.replace(job, seed=job.seed * 1009 + i))
+        traj = await run_guarded(agent, dataclasses.replace(job, seed=job.seed * 1009 + i))
         if progress is not None:
             progress(1)
         return traj
@@ -295,7 +324,7 @@ class StreamCollector:
             job = self.next_job()
             if job is None:  # a finite stream has run out
                 return
-            self._running.add(asyncio.create_task(self.agent.run(job)))
+            self._running.add(asyncio.create_task(run_guarded(self.agent, job)))
 
     async def collect(self, batch_size: int,
                       progress: Callable[[int], None] | None = None) -> list[Trajectory]:

@@ -252,3 +252,34 @@ def test_stream_collection_returns_first_finished_and_carries_the_rest(model, to
     # Nothing is dropped: every launched rollout was returned or is still carried.
     assert launched_before == 3 + carried and carried >= 2
     assert len({t.uid for t in first + second}) == 6
+
+
+def test_any_exception_of_one_episode_is_its_env_error_and_never_fails_collection(
+        model, tokenizer, factory):
+    """A bad task row (ValueError at sandbox creation) and a sandbox raising something
+    other than SandboxError end their own trajectories as env_error, the exception in
+    `error`; the other rollouts of the collection are scored as usual."""
+    bad_row = dataclasses.replace(TASKS[1], instance_id="bad-row", repo_files=None)
+
+    def exploding(task):
+        sandbox = factory(task)
+        if task.instance_id == TASKS[2].instance_id:
+            def run(*args, **kwargs):
+                raise RuntimeError("boom in the sandbox")
+            sandbox.run = run
+        return sandbox
+
+    agent = make_agent(model, tokenizer, exploding, max_steps=2, env_retries=0)
+    jobs = [RolloutJob(TASKS[0], seed=1), RolloutJob(bad_row), RolloutJob(TASKS[2])]
+    demo = asyncio.run(agent.demonstrate(TASKS[2], ['<tool_call>{"name": "execute_bash", '
+                                                    '"arguments": {"command": "ls"}}'
+                                                    '</tool_call>']))
+    assert demo.status == "env_error" and "RuntimeError: boom in the sandbox" in demo.error
+    groups = asyncio.run(collect_groups(agent, jobs, 2))
+    good, bad, boom = groups
+    assert all(t.status != "env_error" and t.reward is not None for t in good)
+    assert all(t.is_env_error and t.reward is None for t in bad + boom)
+    assert all(t.error.startswith("ValueError: ") and "only an image" in t.error for t in bad)
+    assert agent.pool.live == 0
+    metrics = setup.rollout_metrics([t for g in groups for t in g], groups)
+    assert metrics["rollout/env_errors"] == 4

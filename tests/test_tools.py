@@ -63,12 +63,21 @@ def call(name, **arguments):
     (call("file_editor", command="insert", path="a", new_str="x"),
      "needs the argument 'insert_line'"),
     (call("file_editor", path="a"), "file_editor is missing the required argument 'command'"),
+    # Deeper than json's recursion: RecursionError, as a clear observation.
+    ("<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>", "nested too deeply"),
+    ('<tool_call>{"name": "finish", "arguments": ' + "{" * 5000 + "</tool_call>",
+     "malformed JSON"),
+    ('<tool_call>{"name": "finish", "arguments": "' + "[" * 5000 + "]" * 5000 + '"}</tool_call>',
+     "'arguments' is nested too deeply"),
+    ('<tool_call>{"name": "finish", "arguments": {"message": 1' + "0" * 5000 + "}}</tool_call>",
+     "invalid JSON in tool call"),
 ])
 def test_malformed_calls_name_the_problem(text, message):
     with pytest.raises(ToolCallError) as err:
         parse_tool_call(text)
     assert str(err.value).startswith("ERROR: ")
     assert message in str(err.value)
+    assert len(str(err.value)) < 300  # never the model's text echoed in full
 
 
 def test_parse_round_trip_and_hermes_text():
@@ -253,6 +262,9 @@ def test_toolbox_never_raises_on_garbage(tools):
                  '<tool_call>{"name": 3}</tool_call>', "\x00<tool_call>{]</tool_call>",
                  call("file_editor", command="view", path=""),
                  call("file_editor", command="view", path="a\x00b"),
-                 call("file_editor", command="create", path="calc.py/x", file_text="1")]:
+                 call("file_editor", command="create", path="calc.py/x", file_text="1"),
+                 "<tool_call>" + "[" * 5000 + "</tool_call>",
+                 "<tool_call>" + "{\"a\":" * 5000 + "1" + "}" * 5000 + "</tool_call>",
+                 call("x" * 10_000), call("file_editor", command="v" * 10_000, path="a")]:
         result = tools(text)
         assert result.observation.startswith("ERROR: ") and not result.done
