@@ -2,11 +2,14 @@
 collectives between fake CPU devices): the rl.distributed helpers against plain Python,
 and train.py as 2 processes x 4 devices against 1 process x 8 devices."""
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -34,30 +37,51 @@ def _env(devices: int, port: int | None = None, index: int = 0, count: int = 1) 
     return env
 
 
-def _spawn(args: list[str], count: int, devices: int, **kw) -> list[subprocess.Popen]:
+def _spawn(args: list[str], count: int, devices: int, logs: str) -> list[subprocess.Popen]:
+    """`count` processes of one run (a fresh local coordinator) with `devices` CPU devices
+    each, or one plain process for count=0; output to files `logs`.{i}.{out,err}."""
     port = _free_port()
-    return [subprocess.Popen(args, cwd=ROOT, env=_env(devices, port, i, count),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             start_new_session=True, **kw) for i in range(count)]
+    procs = []
+    for i in range(max(count, 1)):
+        env = _env(devices, port, i, count) if count else _env(devices)
+        with open(f"{logs}.{i}.out", "w") as out, open(f"{logs}.{i}.err", "w") as err:
+            procs.append(subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=err,
+                                          text=True, start_new_session=True))
+    return procs
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
-    outs = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
+def _logs(logs: str, count: int) -> list[tuple[str, str]]:
+    """(stdout, stderr) of each process of `_spawn(..., logs)`, stdout without the lines
+    gloo prints as its connections come up."""
+    out = []
+    for i in range(max(count, 1)):
+        with open(f"{logs}.{i}.out") as o, open(f"{logs}.{i}.err") as e:
+            stdout = "".join(line for line in o if not line.startswith("[Gloo]"))
+            out.append((stdout, e.read()))
+    return out
+
+
+def _finish(procs: list[subprocess.Popen], logs: str, timeout: float) -> list[tuple[str, str]]:
+    """Waits for every process (killing all if one runs past `timeout`); their output,
+    each checked to have exited 0."""
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+    outs = _logs(logs, len(procs))
+    for proc, (_, err) in zip(procs, outs, strict=True):
         assert proc.returncode == 0, err[-3000:]
-        outs.append((out, err))
     return outs
 
 
 # Each process: its share of 7 items squared (gather_map), an all-gather of a dict, the
-# digest check on equal and on differing state, and a parameter sharded over both
-# processes gathered whole.
+# digest check on equal and on differing state, a parameter sharded over both
+# processes gathered whole, and weight syncs of it.
 HELPERS = """
 import asyncio, json
 import jax, numpy as np
@@ -83,11 +107,21 @@ mesh = Mesh(np.array(jax.devices()), ("fsdp",))
 x = np.arange(24, dtype=np.float32).reshape(8, 3)
 params = {"w": jax.device_put(x, NamedSharding(mesh, PartitionSpec("fsdp", None)))}
 local = distributed.local_params(params)["w"]
+
+class Engine:  # records what a weight sync hands it
+    def __init__(self):
+        self.loaded = []
+    async def update_weights(self, p):
+        self.loaded.append(bool(np.array_equal(np.asarray(p["w"]), x)))
+shared, own = Engine(), Engine()
+asyncio.run(distributed.sync_weights(shared, params, shared_servers=True))
+asyncio.run(distributed.sync_weights(own, params, shared_servers=False))
 print(json.dumps({"seen": seen, "gathered": gathered,
                   "objects": [[o["p"], o["a"].tolist()] for o in objects],
                   "same": same, "differing": differing,
                   "local_equal": bool(np.array_equal(np.asarray(local), x)),
                   "local_addressable": local.is_fully_addressable,
+                  "shared_loads": shared.loaded, "own_loads": own.loaded,
                   "layout": distributed.layout()}))
 """
 
@@ -99,8 +133,9 @@ def test_share_is_a_partition():
             assert sorted(i for part in parts for i in part) == list(range(n))
 
 
-def test_helpers_over_two_processes():
-    outs = _finish(_spawn([sys.executable, "-c", HELPERS], count=2, devices=4), timeout=300)
+def test_helpers_over_two_processes(tmp_path):
+    logs = str(tmp_path / "helpers")
+    outs = _finish(_spawn([sys.executable, "-c", HELPERS], 2, 4, logs), logs, timeout=300)
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
     assert [r["seen"] for r in results] == [[0, 2, 4, 6], [1, 3, 5]]
     for me, r in enumerate(results):
@@ -109,6 +144,9 @@ def test_helpers_over_two_processes():
         assert r["same"] == distributed.digest({"step": 3, "x": np.ones(2)})
         assert "step 9" in r["differing"] and "process 1" in r["differing"]
         assert r["local_equal"] and r["local_addressable"]
+        # Servers shared by both processes: one update, from process 0, of the whole
+        # parameters; an engine of each process's own: each loads them.
+        assert r["shared_loads"] == ([True] if me == 0 else []) and r["own_loads"] == [True]
         assert r["layout"]["process_index"] == me and r["layout"]["process_count"] == 2
         by_process = r["layout"]["devices_by_process"]
         assert sorted(by_process) == ["0", "1"] and by_process == results[0]["layout"][
@@ -123,3 +161,133 @@ def test_coordinator_without_process_count_is_named(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="num_processes"):
         distributed.initialize(cfg)
+
+
+# The smoke config on an 8-device fsdp mesh. Its policy, two SFT steps old, solves
+# nothing, so GRPO would reject every group and never update; the sft loss on all
+# groups makes both RL steps update the weights from the rollouts.
+SMOKE = ["train.py", "--config", "configs/default.py:smoke", "--set", "mesh.fsdp=-1",
+         "--set", "reject_degenerate=False", "--set", "learner.loss.name=sft"]
+
+
+def _metrics(workdir: str) -> list[dict]:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def _host(workdir: str, step: int) -> dict:
+    from rl.checkpoint import decode_host
+
+    with open(os.path.join(workdir, "ckpt", str(step), "host", "metadata")) as f:
+        return decode_host(json.load(f))
+
+
+def _params(workdir: str, step: int) -> list[tuple[str, np.ndarray]]:
+    """Every array of checkpoint `step`'s train state as host NumPy (whatever devices
+    and processes wrote it)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    path = os.path.join(workdir, "ckpt", str(step), "state")
+    tree = checkpointer.metadata(path).item_metadata.tree
+    restored = checkpointer.restore(path, restore_args=jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    return [(jax.tree_util.keystr(k), np.asarray(v, np.float64))
+            for k, v in jax.tree_util.tree_leaves_with_path(restored)]
+
+
+def _logged_digests(err: str, prefix: str) -> list[str]:
+    return [line.split(prefix, 1)[1].split()[0].strip("()")
+            for line in err.splitlines() if prefix in line]
+
+
+def test_two_processes_match_one_and_resume_after_kill(tmp_path):
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    # 1 process x 8 devices, and 2 processes x 4 devices (killed once the checkpoint of
+    # RL step 1 is complete: Orbax finalises a step by renaming its directory), at once.
+    reference = _spawn([sys.executable, *SMOKE, "--workdir", one], 0, 8, one)
+    first = _spawn([sys.executable, *SMOKE, "--workdir", two], 2, 4, two + "_first")
+    deadline = time.monotonic() + 900
+    step1 = os.path.join(two, "ckpt", "1")
+    while (not os.path.isdir(step1) and time.monotonic() < deadline
+           and all(p.poll() is None for p in first)):
+        time.sleep(0.2)
+    for proc in first:
+        with contextlib.suppress(ProcessLookupError):  # (one that failed has exited)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    first_logs = [err for _, err in _logs(two + "_first", 2)]
+    assert os.path.isdir(step1), first_logs[0][-3000:]
+    resumed = _finish(_spawn([sys.executable, *SMOKE, "--workdir", two], 2, 4, two),
+                      two, timeout=900)
+    ((_, ref_err),) = _finish(reference, one, timeout=900)
+
+    # Acceptance 2: both processes resume at step 1 with the host state that was saved.
+    saved = distributed.digest(_host(two, 1))
+    for (out, err), killed in zip(resumed, first_logs, strict=True):
+        assert _logged_digests(killed, "host state at step 1:") == [saved]
+        assert _logged_digests(err, "at step 1 (host state") == [saved], err[-3000:]
+        assert "step    1 " not in out
+    assert "step    2" in resumed[0][0] and resumed[1][0] == ""  # one process prints
+
+    # Acceptance 1: losses after each of the 2 steps (and the SFT warm start's) and the
+    # parameters and optimizer state after them match within 1e-5.
+    ref_metrics, metrics = _metrics(one), _metrics(two)
+    assert [m["step"] for m in ref_metrics] == [m["step"] for m in metrics] == [0, 0, 1, 2]
+    losses = [(m["step"], k, v) for m in ref_metrics for k, v in m.items()
+              if k.endswith("/loss")]
+    assert [(s, k) for s, k, _ in losses] == [(0, "sft/loss"), (1, "learner/loss"),
+                                              (2, "learner/loss")]
+    for step, key, value in losses:
+        assert abs(next(m[key] for m in metrics if m["step"] == step and key in m)
+                   - value) < 1e-5, (step, key)
+    ref_params, params = _params(one, 2), _params(two, 2)
+    assert [k for k, _ in ref_params] == [k for k, _ in params]
+    for (key, a), (_, b) in zip(ref_params, params, strict=True):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-5, err_msg=key)
+    assert any(np.abs(b - a).max() > 0 for (key, a), (_, b) in zip(
+        _params(one, 1), ref_params, strict=True) if key.startswith("['params']")), \
+        "RL step 2 left the parameters as they were"
+
+    # Acceptance 3: the same rollouts as one process. Every rollout count, reward and
+    # status count matches per step, the data loader stands at the same task, the
+    # held-out evals scored the same tasks, and the whole host state (loader, queue,
+    # controller, RNG) went through the same states.
+    for ref, got in zip(ref_metrics, metrics, strict=True):
+        keys = [k for k in ref if k.startswith("rollout/") and not k.endswith("_per_s")]
+        assert {k: got[k] for k in keys} == {k: ref[k] for k in keys}, ref["step"]
+        if "rollout/trajectories" in ref:
+            assert ref["rollout/trajectories"] == 2 * 2  # batch_tasks x group_size
+    assert _host(two, 2)["sampler"] == _host(one, 2)["sampler"]
+    for step in (0, 2):
+        with open(os.path.join(one, f"eval_{step}.json")) as f, \
+                open(os.path.join(two, f"eval_{step}.json")) as g:
+            ref_eval, got_eval = json.load(f), json.load(g)
+        assert got_eval["rewards"] == ref_eval["rewards"] and len(got_eval["rewards"]) == 4
+    assert (_logged_digests(ref_err, "host state at step 2:")
+            == _logged_digests(resumed[0][1], "host state at step 2:")
+            == _logged_digests(resumed[1][1], "host state at step 2:"))
+
+
+def test_dry_run_prints_the_process_and_device_layout(tmp_path):
+    logs = str(tmp_path / "dry")
+    outs = _finish(_spawn([sys.executable, "train.py", "--config", "configs/default.py:smoke",
+                           "--dry_run", "--set", "mesh.fsdp=-1"], 2, 4, logs), logs, timeout=300)
+    layouts = [json.loads(out)["layout"] for out, _ in outs]
+    for me, layout in enumerate(layouts):
+        assert layout["process_index"] == me and layout["process_count"] == 2
+        assert layout["local_devices"] == 4 and layout["global_devices"] == 8
+        assert layout["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1}
+        assert layout["devices_by_process"] == layouts[0]["devices_by_process"]
+
+
+def test_dry_run_says_why_a_mesh_does_not_fit(capsys):
+    import train
+
+    train.main(["--config", os.path.join(ROOT, "configs/default.py:smoke"), "--workdir",
+                "/nonexistent", "--dry_run"])
+    layout = json.loads(capsys.readouterr().out)["layout"]
+    assert layout["process_count"] == 1 and layout["global_devices"] == 8
+    assert layout["mesh"].startswith("not on these devices") and "needs 1 devices" in layout[
+        "mesh"]
