@@ -44,7 +44,11 @@ def get_config(arg=None, options=OPTIONS):
 
     c.env = dict(backend="docker", tasks=f"{arg.train}|{arg.eval}", train_tasks=0,
                  eval_tasks=500, difficulties=(), task_seed=0, eval_seed=0, image="",
-                 max_concurrent=512, tools_in_prompt=True)
+                 max_concurrent=512, tools_in_prompt=True,
+                 # SWE-bench rows without an image: "" = the published SWE-bench images
+                 # (env.swebench.SWEBENCH_IMAGE_TEMPLATE); fields {instance_id},
+                 # {instance_id_lower}, {instance_id_1776}.
+                 image_template="")
 
     c.rollout = dict(max_steps=50, max_turn_tokens=4096, max_response_tokens=32768,
                      max_context=65536, wall_timeout_s=3600.0, temperature=1.0, top_p=1.0,

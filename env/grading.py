@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
-from env.sandbox.base import Sandbox
+from env.sandbox.base import Sandbox, SandboxError
 from env.swebench import NON_TEST_EXTS, patch_paths, test_directives
 from env.tasks import Task
 
@@ -315,7 +315,7 @@ def _changed_paths(sandbox: Sandbox, base: str) -> list[str]:
                       f"--no-renames -z {base} -- && {GIT} ls-files -z -o -i --exclude-standard "
                       "--directory --no-empty-directory", timeout=120)
     if res.exit_code != 0:
-        raise RuntimeError(f"listing the changed files failed: {res.output.strip()[-500:]}")
+        raise SandboxError(f"listing the changed files failed: {res.output.strip()[-500:]}")
     return [p for p in res.output.split("\0") if p.strip() and not p.endswith("/")]
 
 

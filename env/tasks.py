@@ -207,14 +207,22 @@ def task_from_row(row: Any, where: str = "row",
         test_files=_test_list(row, where, "test_files") or harness.get("test_files", []),
         expected_output=_expected_output(row, where),
         split=_field(row, where, "split", default=""),
-        difficulty=_field(row, where, "difficulty", kind=int),
+        difficulty=_difficulty(row, where),
         version=_field(row, where, "version", default=""),
         log_parser=log_parser,
         env_setup=_field(row, where, "env_setup", default=harness.get("env_setup", "")),
         test_infra=_test_list(row, where, "test_infra") or harness.get("test_infra", []),
         protect_tests=_field(row, where, "protect_tests", kind=bool, default=True),
-        metadata={k: v for k, v in row.items() if k not in KNOWN_FIELDS},
+        metadata={k: v for k, v in row.items()
+                  if k not in KNOWN_FIELDS or (k == "difficulty" and isinstance(v, str))},
     )
+
+
+def _difficulty(row: dict, where: str) -> int | None:
+    """A graded level (mini-SWE); SWE-bench-Verified's annotation ("15 min - 1 hour")
+    is text and stays in the metadata."""
+    value = _field(row, where, "difficulty", kind=(int, str))
+    return value if isinstance(value, int) else None
 
 
 def _check_parser(name: str, where: str) -> None:

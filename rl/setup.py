@@ -22,6 +22,8 @@ import tqdm
 from flax import nnx
 
 from env import miniswe
+from env.grading import error_kind
+from env.swebench import SWEBENCH_IMAGE_TEMPLATE
 from env.tasks import Task, load_tasks
 from models import qwen3
 from models.tokenizer import Tokenizer, render_tool_call, train_bpe
@@ -75,8 +77,9 @@ def tasks(env_cfg) -> tuple[list[Task], list[Task]]:
         held_out = [t for t in held_out if t.problem_statement not in seen]
         return train, held_out
     train_path, _, eval_path = env_cfg.tasks.partition("|")
-    train = load_tasks(train_path)
-    held_out = load_tasks(eval_path) if eval_path else []
+    template = image_template(env_cfg)
+    train = load_tasks(train_path, template)
+    held_out = load_tasks(eval_path, template) if eval_path else []
     if env_cfg.train_tasks:
         train = train[:env_cfg.train_tasks]
     if env_cfg.eval_tasks:
@@ -85,6 +88,21 @@ def tasks(env_cfg) -> tuple[list[Task], list[Task]]:
         for t in (*train, *held_out):
             t.image = t.image or env_cfg.image
     return train, held_out
+
+
+def image_template(env_cfg) -> str:
+    """`env.image_template` ("" or absent: the SWE-bench convention)."""
+    return env_cfg.get("image_template", "") or SWEBENCH_IMAGE_TEMPLATE
+
+
+def task_images(env_cfg) -> dict[str, Any]:
+    """For the dry run: per task file, instance id -> the image its sandbox will use."""
+    if env_cfg.tasks == "miniswe":
+        return {}
+    return {path: {t.instance_id: t.image or env_cfg.image
+                   for t in load_tasks(path, image_template(env_cfg))}
+            if os.path.exists(path) else "file not found"
+            for path in filter(None, env_cfg.tasks.split("|"))}
 
 
 # ------------------------------------------------------------------ tokenizer
@@ -250,6 +268,10 @@ def rollout_metrics(trajs: Sequence[Trajectory], groups: Sequence[Sequence[Traje
     scored = [t for t in trajs if not t.is_env_error and t.reward is not None]
     m: dict[str, float] = {"rollout/trajectories": len(trajs),
                            "rollout/env_errors": len(trajs) - len(scored)}
+    for t in trajs:  # by reason: a sandbox failure, or tests that never ran (and why)
+        if t.is_env_error:
+            key = f"rollout/env_errors_{error_kind(t.error)}"
+            m[key] = m.get(key, 0) + 1
     if scored:
         m["rollout/pass_rate"] = float(np.mean([t.reward for t in scored]))
         m["rollout/steps_mean"] = float(np.mean([t.num_steps for t in scored]))
@@ -330,4 +352,7 @@ def dry_run(config) -> dict[str, Any]:
     if config.engine.kind == "sglang":
         summary["placement"] = sglang.placement(config)
         summary["sglang_commands"] = [" ".join(c) for c in sglang.launch_commands(config)]
+    images = task_images(config.env)
+    if images:
+        summary["task_images"] = images
     return summary

@@ -16,6 +16,7 @@ and each hack, which scores 1 with protection off (so the check can fail), score
 Runs in local sandboxes; pytest comes from a world-readable copy of this interpreter's.
 """
 
+import dataclasses
 import json
 import os
 import shlex
@@ -24,6 +25,7 @@ import subprocess
 import tempfile
 
 import pytest
+from sandbox_backends import docker_defaults
 
 from env.episode import Episode, sandbox_factory
 from env.grading import (
@@ -328,8 +330,6 @@ def test_shadowing_stdlib_module_scores_zero_on_miniswe():
 
 
 def _unprotected(task):
-    import dataclasses
-
     return dataclasses.replace(task, protect_tests=False)
 
 
@@ -358,3 +358,45 @@ def test_interpreter_missing_is_env_error():
     row = {**django_row(), "test_command": "no-such-python -m pytest {test_files}"}
     result = _grade(task_from_row(row))
     assert result.reward is None and error_kind(result.error) == "interpreter_missing"
+
+
+# ---- Docker: the image's environment, and an image without `python` -----------------------------
+
+ACTIVATE = ("mkdir -p /tmp/env/bin && ln -sf /usr/bin/python3 /tmp/env/bin/python\n"
+            "export PATH=/tmp/env/bin:$PATH")
+
+
+@pytest.mark.docker
+def test_docker_activation_for_agent_and_grader_and_missing_python(request):
+    """The sandbox image has `python3` only, like an official image whose conda env is
+    not activated: the `python` command is missing until `env_setup` provides it."""
+    factory = sandbox_factory("docker", **docker_defaults(request))
+    task = dataclasses.replace(generate_tasks(1, seed=5)[0],
+                               test_command="python -m unittest -v {tests}")
+    with Episode(factory, task) as episode:
+        episode.reset()
+        assert episode.reward() is None and episode.status == "env_error"
+        assert error_kind(episode.error) == "interpreter_missing", episode.error
+    active = dataclasses.replace(task, env_setup=ACTIVATE)
+    with Episode(factory, active) as episode:
+        episode.reset()
+        observation, _ = episode.step({"name": "execute_bash", "arguments": {
+            "command": "python -c 'print(6 * 7)'"}})
+        assert "42" in observation
+        assert episode.reward() == 0.0
+        episode.sandbox.run("git reset -q --hard && git clean -fdq")
+        episode.sandbox.apply_patch(active.gold_patch)
+        assert grade(active, episode.sandbox).reward == 1.0
+
+
+def test_env_errors_counted_by_reason():
+    from rl.setup import rollout_metrics
+    from rl.types import Trajectory
+
+    errors = ["tests never ran [collection_failed]: E   ImportError", "SandboxError: gone",
+              "tests never ran [collection_failed]: x", "tests never ran [timeout]: 600s"]
+    trajs = [Trajectory("t", str(i), [], None, "env_error", error=e) for i, e in enumerate(errors)]
+    trajs.append(Trajectory("t", "ok", [], 1.0))
+    m = rollout_metrics(trajs, [trajs])
+    assert m["rollout/env_errors"] == 4 and m["rollout/env_errors_collection_failed"] == 2
+    assert m["rollout/env_errors_SandboxError"] == 1 and m["rollout/env_errors_timeout"] == 1

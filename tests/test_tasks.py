@@ -88,6 +88,8 @@ def test_raw_swe_bench_rows_load_with_the_image_template(tmp_path):
     assert django.log_parser == "django" and "LC_ALL=en_US.UTF-8" in django.env_setup
     assert grading_command(sympy).endswith("bin/test -C --verbose sympy/core/tests/test_basic.py")
     assert sympy.log_parser == "sympy" and "bin/test" in sympy.test_infra
+    verified = task_from_row({**raw, "difficulty": "15 min - 1 hour"})  # Verified's annotation
+    assert verified.difficulty is None and verified.metadata["difficulty"] == "15 min - 1 hour"
     (own,) = load_tasks(_write(tmp_path, [raw]), image_template="reg.local/{instance_id}:v1")
     assert own.image == "reg.local/astropy__astropy-12907:v1"
     # a row's explicit fields win over the table
@@ -132,7 +134,7 @@ def test_native_row_round_trip(tmp_path):
     ({k: v for k, v in SWE_BENCH_ROW.items() if k not in ("image_name", "version")}, "image"),
     ({**SWE_BENCH_ROW, "log_parser": "nose"}, "log_parser"),
     ({**R2E_ROW, "expected_output_json": "{oops"}, "expected_output_json"),
-    ({**SWE_BENCH_ROW, "difficulty": "hard"}, "difficulty"),
+    ({**SWE_BENCH_ROW, "difficulty": [1]}, "difficulty"),
     ({"problem_statement": "x", "repo_files": {"a.py": "1"}}, "instance_id"),
     ({"instance_id": "t", "problem_statement": "x", "repo_files": {"a.py": 1}}, "repo_files"),
 ])
