@@ -147,18 +147,19 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             ckpt.close()
             engine.close()
         return
-    writer = MetricWriter(workdir)
     first_step = 0
     resumed = ckpt.latest_step() is not None
     if resumed:
-        state, host = restore(config, ckpt, ckpt.latest_step(), graphdef, state, mesh)
+        state, host = restore(config, ckpt, None, graphdef, state, mesh)
         first_step = int(host["step"])
         algo.load_state_dict(host)
         log.info("resumed from %s at step %d (host state %s)", ckpt.directory, first_step,
                  distributed.check_consistent({"step": first_step, **algo.state_dict()},
                                               f"resume at step {first_step}"))
         await sync_weights(state.params)
-    elif config.sft.steps:
+    # Metric rows a killed run wrote after its last checkpoint are written again below.
+    writer = MetricWriter(workdir, resume_step=first_step)
+    if not resumed and config.sft.steps:
         state = await warm_start(config, agent, train_tasks, graphdef, state, mesh, writer)
         await sync_weights(state.params)
         save(0, state)
@@ -296,10 +297,13 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
     return out
 
 
-def restore(config, ckpt: Checkpointer, step: int, graphdef, state, mesh):
-    """(train state, host state) of checkpoint `step`, laid out like `state`."""
+def restore(config, ckpt: Checkpointer, step: int | None, graphdef, state, mesh):
+    """(train state, host state) of checkpoint `step`, laid out like `state`; step None:
+    the latest that reads back (a damaged newer step is skipped with a warning)."""
     _, abstract = learner.abstract_train_state(nnx.merge(graphdef, state.params),
                                                config.learner, mesh)
+    if step is None:
+        return ckpt.restore_latest(abstract)[1:]
     return ckpt.restore(step, abstract)
 
 

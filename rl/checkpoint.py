@@ -4,16 +4,23 @@ Layout: workdir/ckpt/<step>/{state,host}. `host` is a JSON-able dict whose
 leaves may also be NumPy arrays (SPO tracker, PS queue and controller, data
 position); arrays are stored exactly (dtype, shape and raw bytes, base64) inside
 the JSON, so they round-trip bit for bit without knowing the structure ahead.
+A step that does not read back (a truncated file, a missing item) is moved aside
+to <step>.damaged when resuming falls back past it.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
 import os
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint import multihost
+
+log = logging.getLogger(__name__)
 
 _ARRAY_TAG = "__ndarray__"
 
@@ -55,24 +62,32 @@ def decode_host(value: Any) -> Any:
 class Checkpointer:
     """Saves and restores (TrainState, host dict) pairs under workdir/ckpt.
 
-    keep: how many most recent checkpoints survive. async_save: saves return
-    once the arrays are copied off the device; call `wait()` before reading the
-    files or exiting.
+    keep: how many most recent checkpoints survive. A save returns once the
+    checkpoint is complete on disk, so a failed write (a full disk, a lost bucket)
+    is raised by the `save` of that step rather than by a later one; the write does
+    not overlap the next step (seconds for the default model, against minutes of
+    rollouts per step at scale).
     """
 
-    def __init__(self, workdir: str, keep: int = 3, async_save: bool = True):
+    def __init__(self, workdir: str, keep: int = 3):
         self.directory = os.path.abspath(os.path.join(workdir, "ckpt"))
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=async_save)
+                                               enable_async_checkpointing=False)
         self._manager = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "host"))
 
     def save(self, step: int, state: Any, host: dict[str, Any] | None = None,
              force: bool = False) -> bool:
-        """Saves at `step`; returns whether a save was started."""
+        """Saves at `step` and returns True once it is on disk; raises what failed, and
+        when `step` already holds a checkpoint (Orbax would skip the save silently)."""
+        if int(step) in self._manager.all_steps():
+            raise FileExistsError(f"checkpoint step {step} already exists in {self.directory}")
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   host=ocp.args.JsonSave(encode_host(host or {})))
-        return self._manager.save(int(step), args=args, force=force)
+        if not self._manager.save(int(step), args=args, force=force):
+            raise RuntimeError(f"checkpoint step {step} was not saved in {self.directory}")
+        self._manager.wait_until_finished()
+        return True
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -94,6 +109,46 @@ class Checkpointer:
                                   host=ocp.args.JsonRestore())
         restored = self._manager.restore(int(step), args=args)
         return restored["state"], decode_host(restored["host"])
+
+    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
+        """(step, state, host) of the newest step that reads back whole.
+
+        A newer step that fails to restore is skipped with a warning naming it and the
+        error; once an older step restores, the failed ones are renamed <step>.damaged
+        (kept for inspection; the run saves those steps again). Raises, naming every
+        step's error, when none restores: a run never silently starts over.
+        """
+        steps = sorted(self.all_steps(), reverse=True)
+        if not steps:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        failed = []
+        for step in steps:
+            try:
+                state, host = self.restore(step, abstract_state)
+            except Exception as e:  # noqa: BLE001 - any failure to read means a damaged step
+                failed.append((step, f"{type(e).__name__}: {e}"))
+                log.warning("checkpoint step %d in %s cannot be restored (%s); trying the "
+                            "previous step", step, self.directory, failed[-1][1])
+                continue
+            self._set_aside([s for s, _ in failed])
+            return step, state, host
+        raise RuntimeError(f"no checkpoint in {self.directory} can be restored: "
+                           + "; ".join(f"step {s}: {why}" for s, why in failed))
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Renames damaged steps (on process 0; every process then re-lists the steps)."""
+        if not steps:
+            return
+        if jax.process_index() == 0:
+            for step in steps:
+                path = os.path.join(self.directory, str(step))
+                target, n = path + ".damaged", 1
+                while os.path.exists(target):
+                    target, n = f"{path}.damaged{n}", n + 1
+                os.rename(path, target)
+                log.warning("moved damaged checkpoint %s to %s", path, target)
+        multihost.sync_global_processes("checkpoint_set_aside")
+        self._manager.reload()
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

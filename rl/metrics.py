@@ -7,6 +7,7 @@ protos. Only process 0 writes; on other processes every call is a no-op.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -22,6 +23,8 @@ from tensorboard.compat.proto import (
     types_pb2,
 )
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+log = logging.getLogger(__name__)
 
 
 def _float(value) -> float:
@@ -49,18 +52,50 @@ def text_value(tag: str, text: str) -> summary_pb2.Summary.Value:
     return summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=meta)
 
 
+def drop_rows_after(path: str, step: int) -> int:
+    """Keeps the rows of `path` (a metrics.jsonl) up to the last one whose step is <=
+    `step` (rows of later steps precede it only for the SFT warm start, whose steps
+    count its own updates) and drops the rest, including a line cut short by a kill.
+    The file is replaced whole (written beside it, then renamed). Returns the number of
+    lines dropped."""
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        lines = f.read().splitlines()
+    keep = 0
+    for i, line in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if row["step"] <= step:
+            keep = i + 1
+    if keep < len(lines):
+        with open(path + ".tmp", "w") as f:
+            f.writelines(line + "\n" for line in lines[:keep])
+        os.replace(path + ".tmp", path)
+        log.warning("%s: dropped %d rows written after step %d (resuming from it)", path,
+                    len(lines) - keep, step)
+    return len(lines) - keep
+
+
 class MetricWriter:
     """Writes scalars, histograms and text for `workdir`.
 
     write_scalars also appends {"step": step, **scalars} as one line to
     workdir/metrics.jsonl (non-finite values become null there).
+    resume_step: the step the run restarts from (0 for a fresh start); rows written
+    after that step's last row, by a run killed before its next checkpoint, are
+    dropped, since the resumed run writes those steps again.
     """
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, resume_step: int | None = None):
         self.enabled = jax.process_index() == 0
         if not self.enabled:
             return
         os.makedirs(os.path.join(workdir, "tb"), exist_ok=True)
+        if resume_step is not None:
+            drop_rows_after(os.path.join(workdir, "metrics.jsonl"), resume_step)
         self._events = EventFileWriter(os.path.join(workdir, "tb"))
         # Line-buffered: a crash or kill loses no written step.
         self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)  # noqa: SIM115

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -322,6 +323,13 @@ def console_line(step: int, m: dict[str, float]) -> str:
 # ------------------------------------------------------------------ dry run
 
 
+@functools.lru_cache(maxsize=4)
+def _abstract_model(cfg: qwen3.Qwen3Config) -> qwen3.Qwen3:
+    """The model with abstract parameters (nothing allocated); cached because tracing a
+    large preset takes seconds, and the dry runs of a config's options share it."""
+    return nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
+
+
 def dry_run(config) -> dict[str, Any]:
     """Builds everything that needs no remote service or weights: the model's abstract
     parameters and optimizer state, the mesh plan, Prefix Sampling / SPO state, the
@@ -333,8 +341,7 @@ def dry_run(config) -> dict[str, Any]:
     cfg = model_config(config.model, config.tokenizer.get("bpe_vocab_size", None), dry_run=True)
     if config.engine.kind == "sglang":
         sglang.check_context(config, cfg)  # before the slow part: refused up front
-    abstract = nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
-    _, state = learner.abstract_train_state(abstract, config.learner)
+    _, state = learner.abstract_train_state(_abstract_model(cfg), config.learner)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     opt_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
                     for x in jax.tree.leaves(state.opt_state))

@@ -1,8 +1,13 @@
 """Checkpoint round trip: 3 steps, save, restore in a new process, 2 more steps equals
 5 uninterrupted steps bit for bit (CPU, fixed seeds), host state included."""
 
+import glob
 import json
+import logging
 import os
+import resource
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -12,6 +17,7 @@ import numpy as np
 import pytest
 
 from rl.checkpoint import Checkpointer, decode_host, encode_host
+from rl.metrics import MetricWriter
 
 # Run both in this process and in the child, so the two sides build identical inputs.
 SETUP = textwrap.dedent("""
@@ -116,7 +122,7 @@ def test_resume_in_new_process_is_bitwise(tmp_path):
 
 
 def test_keep_latest_and_missing_step(tmp_path):
-    ckpt = Checkpointer(str(tmp_path), keep=2, async_save=False)
+    ckpt = Checkpointer(str(tmp_path), keep=2)
     state = {"w": np.arange(3.0)}
     for step in (1, 2, 3):
         ckpt.save(step, state, {"step": step})
@@ -142,3 +148,127 @@ def test_host_encoding_round_trip_and_errors():
         encode_host({1: 2})
     with pytest.raises(TypeError, match="set"):
         encode_host({"s": {1, 2}})
+
+
+def _truncate(pattern):
+    paths = [p for p in glob.glob(pattern) if os.path.isfile(p)]
+    assert paths, pattern
+    for path in paths:
+        with open(path, "r+b") as f:
+            f.truncate(3)
+
+
+def _saved(tmp_path, steps=(1, 2, 3)):
+    ckpt = Checkpointer(str(tmp_path), keep=3)
+    for step in steps:
+        ckpt.save(step, {"w": np.arange(1000.0) * step}, {"step": step})
+    return ckpt, {"w": jax.ShapeDtypeStruct((1000,), np.float64)}
+
+
+@pytest.mark.parametrize("damage,error", [
+    ("3/host/metadata", "JSONDecodeError"),            # the host state's JSON cut short
+    ("3/state/d/*", "Requested byte range"),           # an array file cut short
+    ("3/state", "not found in the checkpoint")])       # an item missing
+def test_damaged_latest_step_falls_back_to_the_previous_one(tmp_path, caplog, damage, error):
+    ckpt, abstract = _saved(tmp_path)
+    ckpt.close()
+    target = os.path.join(tmp_path, "ckpt", damage)
+    if damage == "3/state":
+        shutil.rmtree(target)
+    else:
+        _truncate(target)
+    ckpt = Checkpointer(str(tmp_path), keep=3)
+    with caplog.at_level(logging.WARNING, logger="rl.checkpoint"):
+        step, state, host = ckpt.restore_latest(abstract)
+    assert step == 2 and host == {"step": 2}
+    np.testing.assert_array_equal(state["w"], np.arange(1000.0) * 2)
+    warning = next(r.getMessage() for r in caplog.records if "cannot be restored" in r.getMessage())
+    assert "step 3" in warning and error in warning, warning
+    # Kept aside for inspection; the resumed run saves step 3 again.
+    assert os.path.isdir(os.path.join(tmp_path, "ckpt", "3.damaged"))
+    assert ckpt.all_steps() == [1, 2]
+    assert ckpt.save(3, {"w": np.zeros(1000)}, {"step": 3}) and ckpt.latest_step() == 3
+    ckpt.close()
+
+
+def test_no_readable_step_is_an_error_naming_each(tmp_path):
+    ckpt, abstract = _saved(tmp_path, steps=(1, 2))
+    _truncate(os.path.join(tmp_path, "ckpt", "*", "host", "metadata"))
+    with pytest.raises(RuntimeError, match=r"step 2: JSONDecodeError.*step 1: JSONDecodeError"):
+        ckpt.restore_latest(abstract)
+    assert ckpt.all_steps() == [1, 2]  # nothing moved when nothing restores
+    with pytest.raises(FileExistsError, match="step 2 already exists"):
+        ckpt.save(2, {"w": np.zeros(1000)})
+    ckpt.close()
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        Checkpointer(str(tmp_path / "empty")).restore_latest(abstract)
+
+
+def test_failed_save_is_raised_by_that_save(tmp_path):
+    """A write that fails (here: files capped at 20 KB, EFBIG, as a full disk gives
+    ENOSPC) raises from the save of that step; the previous step stays the latest."""
+    ckpt, abstract = _saved(tmp_path, steps=(1,))
+    big = {"w": np.random.default_rng(0).normal(size=100_000)}
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a kill
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, limit[1]))
+    try:
+        with pytest.raises(Exception, match="File too large"):
+            ckpt.save(2, big, {"step": 2})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert ckpt.all_steps() == [1]
+    assert Checkpointer(str(tmp_path)).restore_latest(
+        {"w": jax.ShapeDtypeStruct((1000,), np.float64)})[0] == 1
+    assert ckpt.save(2, big, {"step": 2}) and ckpt.all_steps() == [1, 2]  # space again
+    ckpt.close()
+
+
+KILLED_RUN = textwrap.dedent("""
+    import glob, os, signal, sys, threading, time
+    import numpy as np
+    from rl.checkpoint import Checkpointer
+    from rl.metrics import MetricWriter
+
+    workdir = sys.argv[1]
+    ckpt, writer = Checkpointer(workdir, keep=2), MetricWriter(workdir, resume_step=0)
+
+    def kill_mid_save():  # SIGKILL once step 3's checkpoint is being written
+        while not glob.glob(os.path.join(workdir, "ckpt", "3.orbax-checkpoint-tmp*")):
+            time.sleep(0.0005)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=kill_mid_save, daemon=True).start()
+    for step in range(1, 5):
+        writer.write_scalars(step, {"loss": 1.0 / step})
+        ckpt.save(step, {"w": np.full(4_000_000, step, np.float32)}, {"step": step})
+        print("saved", step, flush=True)
+""")
+
+
+def test_kill_mid_save_then_resume_writes_each_metrics_row_once(tmp_path):
+    """A run killed while writing step 3's checkpoint (its metrics row already written)
+    resumes from step 2; the rows of steps 1-4 are then each in metrics.jsonl once."""
+    script = tmp_path / "run.py"
+    script.write_text(KILLED_RUN)
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True,
+                          text=True, env=env, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["saved", "1", "saved", "2"], proc.stdout
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # step 3's row, its checkpoint unfinished
+
+    ckpt = Checkpointer(str(tmp_path), keep=2)
+    step, _, host = ckpt.restore_latest({"w": jax.ShapeDtypeStruct((4_000_000,), np.float32)})
+    assert step == 2 and host == {"step": 2}
+    writer = MetricWriter(str(tmp_path), resume_step=step)
+    for step in (3, 4):
+        writer.write_scalars(step, {"loss": 1.0 / step})
+        ckpt.save(step, {"w": np.zeros(4, np.float32)}, {"step": step})
+    writer.close()
+    ckpt.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
