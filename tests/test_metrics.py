@@ -46,3 +46,34 @@ def test_writer_appends_across_instances(tmp_path):
         writer.close()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
     assert os.listdir(tmp_path / "tb")
+
+
+def _rows(path):
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def test_resume_drops_rows_after_the_resume_step(tmp_path):
+    """SFT rows (steps counting SFT updates), the step-0 eval, RL steps 1-4 and a line cut
+    short by a kill; resuming from the checkpoint of step 2 keeps everything up to step
+    2's row and drops steps 3, 4 and the partial line."""
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": 10, "sft/loss": 2.0}, {"step": 20, "sft/loss": 1.0},
+            {"step": 0, "eval/pass_rate": 0.1}] + [{"step": s, "x": s} for s in (1, 2, 3, 4)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "x"')
+    writer = MetricWriter(str(tmp_path), resume_step=2)
+    writer.write_scalars(3, {"x": 30.0})
+    writer.close()
+    assert _rows(path) == rows[:5] + [{"step": 3, "x": 30.0}]
+
+    # A fresh start (no checkpoint: resume_step 0) after a kill during SFT keeps nothing
+    # of the killed SFT; a run without SFT killed before its first checkpoint keeps its
+    # step-0 eval (train.py does not evaluate step 0 again when eval_0.json exists).
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+    MetricWriter(str(tmp_path), resume_step=0).close()
+    assert path.read_text() == ""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[2:]))
+    MetricWriter(str(tmp_path), resume_step=0).close()
+    assert _rows(path) == rows[2:3]
+    # Without resume_step (no resume information), nothing is dropped.
+    MetricWriter(str(tmp_path)).close()
+    assert _rows(path) == rows[2:3]
