@@ -130,14 +130,29 @@ def sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
 def sglang_defaults() -> dict[str, Any]:
     """The `engine.sglang` section: client of running servers, or servers to launch.
 
-    urls: servers already running; when empty and `launch` is true, one server per
-      entry of `ports` is started with `python -m sglang.launch_server` (see
-      inference.sglang.SGLangLauncher) and torn down at exit.
-    export_dir: where weights are written as HF safetensors for /update_weights_from_disk.
+    urls: servers already running (on other hosts; the learner keeps every local GPU).
+      When empty and `launch` is true, one server per entry of `ports` is started
+      (see inference.sglang.SGLangLauncher) on the last len(ports) * tp_size of the
+      host's `host_gpus` GPUs, and the learner's JAX devices are the rest
+      (inference.sglang.placement); they are torn down at exit.
+    command / python / env / extra_args: the launch command template (default
+      `{python} -m sglang.launch_server ...`), its interpreter (default this one),
+      "KEY=VALUE" environment entries and extra flags.
+    context_length: SGLang --context-length; 0 takes rollout.max_context.
+    deterministic: launch with --enable-deterministic-inference and send request seeds
+      (servers must be SGLang >= 0.5.3 with that flag); False samples unseeded.
+    sync_mode: how a weight update quiesces a server: "pause" (pause_generation,
+      reload, continue), "abort" (abort in-flight requests, continue them after the
+      reload) or "drain" (wait for in-flight requests to finish).
+    export_dir / export_dtype / export_keep: where weights are written as HF
+      safetensors for /update_weights_from_disk, in which dtype (the servers'), and how
+      many of the newest exports stay on disk.
     """
     return dict(urls=(), launch=False, ports=(30000,), host="127.0.0.1", tp_size=1,
                 mem_fraction_static=0.85, extra_args=(), timeout_s=600.0, max_retries=5,
-                export_dir="", health_timeout_s=900.0)
+                export_dir="", health_timeout_s=900.0, host_gpus=8, command="", python="",
+                env=(), context_length=0, deterministic=True, sync_mode="pause",
+                export_dtype="bfloat16", export_keep=1)
 
 
 def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:

@@ -21,7 +21,7 @@ from configs import common
 
 OPTIONS = dict(model="qwen3-14b", model_path="/models/Qwen3-14B",
                train="data/r2e_gym_subset.jsonl", eval="data/swe_bench_verified.jsonl", tp=2,
-               servers=4, seed=0)
+               servers=2, seed=0)
 
 
 def get_config(arg=None, options=OPTIONS):
@@ -37,10 +37,12 @@ def get_config(arg=None, options=OPTIONS):
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
     c.distributed = common.distributed_defaults()  # one process per host: rl.distributed
 
+    # Launched beside the learner on one 8-GPU host: the servers take the last
+    # servers x tp GPUs, the learner the rest (README: placement).
     sglang = common.sglang_defaults()
     sglang.update(launch=True, ports=tuple(30000 + i for i in range(arg.servers)),
                   tp_size=arg.tp, extra_args=("--dtype", "bfloat16"))
-    c.engine = dict(kind="sglang", max_batch=0, max_len=65536, sglang=sglang)
+    c.engine = dict(kind="sglang", max_batch=0, max_len=40960, sglang=sglang)
 
     c.env = dict(backend="docker", tasks=f"{arg.train}|{arg.eval}", train_tasks=0,
                  eval_tasks=500, difficulties=(), task_seed=0, eval_seed=0, image="",
@@ -50,8 +52,9 @@ def get_config(arg=None, options=OPTIONS):
                  # {instance_id_lower}, {instance_id_1776}.
                  image_template="")
 
+    # Qwen3 checkpoints allow 40,960 positions (max_position_embeddings).
     c.rollout = dict(max_steps=50, max_turn_tokens=4096, max_response_tokens=32768,
-                     max_context=65536, wall_timeout_s=3600.0, temperature=1.0, top_p=1.0,
+                     max_context=40960, wall_timeout_s=3600.0, temperature=1.0, top_p=1.0,
                      top_k=-1, test_timeout_s=600.0, env_retries=2)
 
     c.algo = "grpo"
@@ -74,7 +77,11 @@ def get_config(arg=None, options=OPTIONS):
     c.learner.loss.agg = "seq-mean-token-sum"
     c.learner.loss.eps_low, c.learner.loss.eps_high = 0.2, 0.28
     c.learner.loss.kl, c.learner.loss.kl_coef = "none", 0.0
-    c.learner.row_buckets = (16384, 32768, 65536)
+    c.learner.row_buckets = (16384, 32768, 40960)
+    # The bf16 SGLang sampler's log-probs differ from the learner's: the PPO ratio uses
+    # the learner's own old log-probs, with truncated importance weights against the
+    # sampler's (rl.loss.tis_weight).
+    c.learner.loss.old_logprobs, c.learner.loss.tis_cap = "learner", 2.0
 
     c.sft = dict(steps=0, batch_size=0, lr=0.0, warmup_steps=0, end_lr_frac=0.0, num_demos=0,
                  imperfect_share=0.0)

@@ -12,7 +12,7 @@ to step ~410: raise `total_steps` to match).
 from configs import grpo_swe
 
 OPTIONS = {**grpo_swe.OPTIONS, "model": "qwen3-32b", "model_path": "/models/Qwen3-32B",
-           "tp": 4, "servers": 2}
+           "tp": 4, "servers": 1}
 
 
 def get_config(arg=None):

@@ -12,7 +12,7 @@ collected as a single stream (first B finished are trained, the rest carry over)
 from configs import grpo_swe
 
 OPTIONS = {**grpo_swe.OPTIONS, "model": "qwen3-8b", "model_path": "/models/Qwen3-8B",
-           "tp": 1, "servers": 8}
+           "tp": 1, "servers": 4}
 
 
 def get_config(arg=None):

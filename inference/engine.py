@@ -21,6 +21,16 @@ class EngineError(RuntimeError):
     """The engine could not serve a request (infrastructure, not the request's fault)."""
 
 
+class ContextLengthError(EngineError):
+    """prompt + max_new_tokens exceed the engine's context length (the trajectory is
+    truncated there, not failed)."""
+
+
+class BrokenSampleError(EngineError):
+    """The engine produced a broken sample (SGLang's `"matched": "NaN happened"`); its
+    tokens must never be trained on."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
     """One prompt and how to continue it.
@@ -70,6 +80,8 @@ class GenerateResult:
     finish_reason: "stop" (a stop id), "length" (max_new_tokens) or "abort".
     timings: seconds; keys prefill_s, decode_s, queue_s.
     cached_tokens: leading prompt ids served from the engine's prefix cache.
+    policy_version: the oldest weight version (count of `update_weights` the engine had
+      applied) that produced any of the output ids; None when the engine does not track it.
     """
 
     output_ids: list[int]
@@ -77,6 +89,7 @@ class GenerateResult:
     finish_reason: FinishReason
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     cached_tokens: int = 0
+    policy_version: int | None = None
 
 
 class Engine(abc.ABC):
@@ -89,6 +102,11 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     async def update_weights(self, params_or_path: Any) -> None:
         """Serves new weights: a params pytree or a HF safetensors directory."""
+
+    def update_stats(self) -> dict[str, float]:
+        """Metrics of the last `update_weights` (export and reload times, sizes); {} when
+        the engine has none."""
+        return {}
 
     @abc.abstractmethod
     async def health(self) -> bool:

@@ -12,6 +12,17 @@ that sends `input_ids`) talks to this server and to a real SGLang server alike:
   GET  /get_model_info, /model_info
   POST /update_weights_from_disk {model_path} -> {success, message, num_paused_requests}
   POST /flush_cache, /abort_request {rid | abort_all}
+  POST /pause_generation {mode: abort | retract | in_place}, /continue_generation
+  GET  /get_server_info          -> {version, context_length,
+                                    enable_deterministic_inference, ...}
+
+As in SGLang: a request longer than the context length answers 400 with SGLang's
+message; while generation is paused new requests wait (this engine cannot hold a
+running request, so "retract" and "in_place" let running requests finish), and
+"abort" ends running ones; a reload while not paused waits for running requests and
+holds new ones. `max_new_tokens` 0 returns the prompt only. Seeds and stop ids are
+range-checked here, so a bad one fails its own request and not the engine batch it
+would have joined.
 
 Run: `python -m inference.server --preset tiny --seed 0 --port 30000`, or
 `--model-path HF_DIR`, or `--config WORKDIR/config.json` (the model and engine sections
@@ -47,10 +58,14 @@ _IGNORED = {"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens"
 _SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
               "sampling_seed"}
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
+PROTOCOL_VERSION = "0.5.3"  # the SGLang release whose protocol this server speaks
 
 
-def parse_sampling(params: dict[str, Any] | None, prompt_ids: Sequence[int]) -> GenerateRequest:
-    """SGLang `sampling_params` + prompt -> GenerateRequest; bad values raise ValueError."""
+def parse_sampling(params: dict[str, Any] | None, prompt_ids: Sequence[int],
+                   vocab_size: int | None = None) -> tuple[GenerateRequest, bool]:
+    """SGLang `sampling_params` + prompt -> (GenerateRequest, prompt_only); bad values
+    raise ValueError. prompt_only: max_new_tokens was 0 (the request asks for no output).
+    vocab_size: stop ids must lie below it."""
     params = dict(params or {})
     for key, value in params.items():
         if key in _SUPPORTED or key in _IGNORED:
@@ -60,15 +75,26 @@ def parse_sampling(params: dict[str, Any] | None, prompt_ids: Sequence[int]) -> 
         if value not in (_NEUTRAL[key], None, [], {}):
             raise ValueError(f"sampling parameter {key}={value!r} is not supported by this "
                              f"server (only {_NEUTRAL[key]!r})")
-    return GenerateRequest(
-        prompt_ids=prompt_ids,
-        max_new_tokens=int(params.get("max_new_tokens") or _DEFAULT_MAX_NEW_TOKENS),
+    max_new = params.get("max_new_tokens")
+    max_new = _DEFAULT_MAX_NEW_TOKENS if max_new is None else int(max_new)
+    if max_new < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
+    seed = params.get("sampling_seed")
+    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**32):
+        raise ValueError(f"sampling_seed must be an integer in [0, 2**32), got {seed!r}")
+    stops = tuple(params.get("stop_token_ids") or ())
+    bad = [t for t in stops if not isinstance(t, int) or t < 0
+           or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad} are not token ids of this model "
+                         f"(vocabulary size {vocab_size})")
+    request = GenerateRequest(
+        prompt_ids=prompt_ids, max_new_tokens=max(max_new, 1),
         temperature=float(params.get("temperature", 1.0)),
         top_p=float(params.get("top_p", 1.0)),
         top_k=int(params.get("top_k", -1)),
-        stop_token_ids=tuple(params.get("stop_token_ids") or ()),
-        seed=params.get("sampling_seed"),
-    )
+        stop_token_ids=stops, seed=seed)
+    return request, max_new == 0
 
 
 def _per_item(value: Any, n: int, name: str) -> list[Any]:
@@ -79,9 +105,10 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
     return [value] * n
 
 
-def parse_generate(body: dict[str, Any]) -> tuple[bool, list[GenerateRequest], list[str],
-                                                   list[bool]]:
-    """A /generate body -> (batched, requests, rids, return_logprob per item)."""
+def parse_generate(body: dict[str, Any], vocab_size: int | None = None
+                   ) -> tuple[bool, list[tuple[GenerateRequest, bool]], list[str], list[bool]]:
+    """A /generate body -> (batched, (request, prompt_only) per item, rids, return_logprob
+    per item)."""
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
     if body.get("text") is not None or body.get("input_embeds") is not None:
@@ -108,7 +135,7 @@ def parse_generate(body: dict[str, Any]) -> tuple[bool, list[GenerateRequest], l
     for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise ValueError(f"input_ids[{i}] must be a list of integers")
-        requests.append(parse_sampling(params, prompt))
+        requests.append(parse_sampling(params, prompt, vocab_size))
     return batched, requests, rids, logprob
 
 
@@ -139,6 +166,10 @@ def render(result: GenerateResult, request: GenerateRequest, rid: str, return_lo
     return {"text": "", "output_ids": list(result.output_ids), "meta_info": meta}
 
 
+async def _prompt_only(request: GenerateRequest) -> list[GenerateResult]:
+    return [GenerateResult([], [], "length")]
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
@@ -147,11 +178,17 @@ class Server:
     """Routes of one engine. `app()` builds the aiohttp application."""
 
     def __init__(self, engine: Engine, model_path: str | None = None,
-                 weight_version: str = "default"):
+                 weight_version: str = "default", context_length: int | None = None):
         self.engine = engine
         self.model_path = model_path
         self.weight_version = weight_version
+        self.context_length = context_length or getattr(engine, "max_len", None)
+        self.vocab_size = getattr(engine, "vocab_size", None)
         self.inflight: dict[str, asyncio.Task] = {}
+        self.paused = False
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._reloading: asyncio.Event | None = None
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 2**20)
@@ -165,6 +202,9 @@ class Server:
             web.post("/flush_cache", self.flush_cache),
             web.get("/flush_cache", self.flush_cache),
             web.post("/abort_request", self.abort_request),
+            web.post("/pause_generation", self.pause_generation),
+            web.post("/continue_generation", self.continue_generation),
+            web.get("/get_server_info", self.server_info),
         ])
         app.on_shutdown.append(self._on_shutdown)
         return app
@@ -172,12 +212,19 @@ class Server:
     async def generate(self, http: web.Request) -> web.Response:
         start = time.perf_counter()
         try:
-            batched, requests, rids, logprob = parse_generate(await http.json())
+            batched, items, rids, logprob = parse_generate(await http.json(), self.vocab_size)
+            for req, prompt_only in items:
+                self._check_context(req, prompt_only)
         except ValueError as e:  # includes json.JSONDecodeError
             return _error(400, str(e))
+        await self._resumed.wait()
+        while self._reloading is not None:
+            await self._reloading.wait()
+        requests = [req for req, _ in items]
         tasks = []
-        for rid, req in zip(rids, requests, strict=True):
-            task = asyncio.ensure_future(self.engine.generate([req]))
+        for rid, (req, prompt_only) in zip(rids, items, strict=True):
+            task = asyncio.ensure_future(_prompt_only(req) if prompt_only
+                                         else self.engine.generate([req]))
             self.inflight[rid] = task
             tasks.append(task)
         try:
@@ -197,6 +244,21 @@ class Server:
             items.append(render(outcome[0], req, rid, lp, self.weight_version,
                                 time.perf_counter() - start))
         return web.json_response(items if batched else items[0])
+
+    def _check_context(self, req: GenerateRequest, prompt_only: bool) -> None:
+        """SGLang's two refusals, in its words (clients recognise them)."""
+        limit, n = self.context_length, len(req.prompt_ids)
+        if limit is None:
+            return
+        if n >= limit:
+            raise ValueError(f"The input ({n} tokens) is longer than the model's context "
+                             f"length ({limit} tokens).")
+        total = n + (0 if prompt_only else req.max_new_tokens)
+        if total > limit:
+            raise ValueError(f"Requested token count exceeds the model's maximum context "
+                             f"length of {limit} tokens. You requested a total of {total} "
+                             f"tokens: {n} tokens from the input messages and "
+                             f"{total - n} tokens for the completion.")
 
     async def health(self, http: web.Request) -> web.Response:
         ok = await self.engine.health()
@@ -222,16 +284,30 @@ class Server:
         })
 
     async def update_weights_from_disk(self, http: web.Request) -> web.Response:
+        """Aborts running requests if asked; unless paused, waits for running requests to
+        finish and holds new ones until the weights are loaded (SGLang's writer lock)."""
+        reloading = asyncio.Event()
         try:
             body = await http.json()
             path = body["model_path"]
             if not isinstance(path, str):
                 raise TypeError(f"model_path must be a string, got {path!r}")
+            if body.get("abort_all_requests"):
+                self._abort(list(self.inflight.values()))
+            if not self.paused:
+                while self._reloading is not None:
+                    await self._reloading.wait()
+                self._reloading = reloading
+                await asyncio.gather(*self.inflight.values(), return_exceptions=True)
             await self.engine.update_weights(path)
         except Exception as e:  # noqa: BLE001 - reported to the caller as SGLang does
             return web.json_response({"success": False, "num_paused_requests": 0,
                                       "message": f"Failed to update weights: "
                                                  f"{type(e).__name__}: {e}"}, status=400)
+        finally:
+            if self._reloading is reloading:
+                self._reloading = None
+            reloading.set()
         self.model_path = path
         self.weight_version = str(body.get("weight_version") or path)
         return web.json_response({"success": True, "num_paused_requests": 0,
@@ -246,9 +322,38 @@ class Server:
             targets = list(self.inflight.values())
         else:
             targets = [self.inflight[body["rid"]]] if body.get("rid") in self.inflight else []
-        for task in targets:
-            task.cancel()
+        self._abort(targets)
         return web.Response(status=200)
+
+    async def pause_generation(self, http: web.Request) -> web.Response:
+        body = await http.json() if http.can_read_body else {}
+        mode = body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return _error(400, f"pause_generation mode must be abort, retract or in_place, "
+                               f"got {mode!r}")
+        self.paused = True
+        self._resumed.clear()
+        if mode == "abort":
+            self._abort(list(self.inflight.values()))
+        return web.json_response({})
+
+    async def continue_generation(self, http: web.Request) -> web.Response:
+        self.paused = False
+        self._resumed.set()
+        return web.json_response({})
+
+    async def server_info(self, http: web.Request) -> web.Response:
+        return web.json_response({
+            "version": PROTOCOL_VERSION, "model_path": self.model_path,
+            "context_length": self.context_length, "skip_tokenizer_init": True,
+            # Every request is sampled from its seed (inference.embedded).
+            "enable_deterministic_inference": True,
+            "weight_version": self.weight_version, "is_paused": self.paused})
+
+    @staticmethod
+    def _abort(tasks: Sequence[asyncio.Task]) -> None:
+        for task in tasks:
+            task.cancel()
 
     async def _on_shutdown(self, app: web.Application) -> None:
         for task in list(self.inflight.values()):
@@ -309,6 +414,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-len", type=int, default=2048)
+    p.add_argument("--context-length", type=int, default=0,
+                   help="SGLang's flag: longest prompt + output (sets --max-len)")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="accepted for SGLang's command line; sampling is always seeded here")
     p.add_argument("--min-batch", type=int, default=1, help="smallest batch bucket")
     p.add_argument("--min-len", type=int, default=16, help="smallest length bucket")
     p.add_argument("--prefix-cache-tokens", type=int, default=0,
@@ -324,7 +433,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         engine, model_path = build_engine(
             args.model_path, args.preset, args.seed, max_batch=args.max_batch,
-            max_len=args.max_len, min_batch=args.min_batch, min_len=args.min_len,
+            max_len=args.context_length or args.max_len, min_batch=args.min_batch,
+            min_len=args.min_len,
             prefix_cache_tokens=args.prefix_cache_tokens)
     server = Server(engine, model_path=model_path)
     log.info("serving on http://%s:%d", args.host, args.port)

@@ -3,14 +3,22 @@
 `SGLangClient` sends one native `/generate` call per request (SGLang batches
 concurrent calls itself) to the server with the fewest outstanding requests.
 Connection errors, timeouts and 5xx answers are retried with exponential backoff
-on another server; a failing server is marked down for `down_s` seconds. Weight
-sync exports HF safetensors (`models.hf_io.save_hf`) to a directory every server
-can read and posts `/update_weights_from_disk` to each; a server that misses an
-update is resynchronised before it gets traffic again.
+on another server; a failing server is marked down for `down_s` seconds.
+
+Weight sync: `update_weights` exports HF safetensors in the servers' dtype to
+`export_dir/weights_<version>` and reloads each server exactly once per version.
+SGLang's `/update_weights_from_disk` waits for in-flight requests and blocks new
+ones unless generation is paused, so the client first quiesces each server
+(`sync_mode`): "pause" (`/pause_generation` in retract mode, reload,
+`/continue_generation`; in-flight requests resume on the new weights), "abort"
+(the reload aborts in-flight requests; each is continued from its tokens so far)
+or "drain" (wait for the client's in-flight requests to finish). New requests for
+a server wait while it reloads; a server that missed a version is reloaded once
+before it gets traffic again. Only the newest `export_keep` exports stay on disk.
 
 `SGLangLauncher` starts `python -m sglang.launch_server ...` (or any command
-template, e.g. `inference.server` in tests) in its own process group, logs to a
-file, waits for `/health`, and kills the group on close.
+template, e.g. `inference.server` in tests) in its own process group on its own
+GPUs, logs to a file, waits for `/health`, and kills the group on close.
 """
 
 from __future__ import annotations
@@ -18,50 +26,96 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
+import logging
 import os
+import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
 
-from inference.engine import Engine, EngineError, GenerateRequest, GenerateResult
+from inference.engine import (
+    BrokenSampleError,
+    ContextLengthError,
+    Engine,
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+)
+
+log = logging.getLogger(__name__)
+
+SYNC_MODES = ("pause", "abort", "drain")
+MIN_VERSION = (0, 5, 0)
+SEED_VERSION = (0, 5, 3)  # first release with sampling_seed (--enable-deterministic-inference)
+NAN_MATCHED = "NaN happened"  # SGLang's finish_reason.matched for a non-finite sample
+_EXPORT_NAME = re.compile(r"^weights_(\d{6})$")
+_CONTEXT_ERROR = re.compile(r"context length|maximum context", re.IGNORECASE)
 
 
 class ServerError(Exception):
     """A server failed in a way worth retrying elsewhere (connection, timeout, 5xx)."""
 
 
-def request_payload(req: GenerateRequest) -> dict[str, Any]:
-    """GenerateRequest -> SGLang /generate body (token ids in, log-probs of outputs)."""
+def request_payload(req: GenerateRequest, seeded: bool = True) -> dict[str, Any]:
+    """GenerateRequest -> SGLang /generate body (token ids in, log-probs of outputs).
+    seeded: send `sampling_seed` (SGLang >= 0.5.3 with --enable-deterministic-inference)."""
     sampling = {"max_new_tokens": req.max_new_tokens, "temperature": req.temperature,
                 "top_p": req.top_p, "top_k": req.top_k,
                 "stop_token_ids": list(req.stop_token_ids)}
-    if req.seed is not None:
+    if seeded and req.seed is not None:
         sampling["sampling_seed"] = req.seed
     return {"input_ids": list(req.prompt_ids), "sampling_params": sampling,
             "return_logprob": True}
 
 
-def parse_response(item: dict[str, Any], latency: float) -> GenerateResult:
-    """SGLang /generate response item -> GenerateResult."""
+def parse_response(item: dict[str, Any], latency: float,
+                   policy_version: int | None = None) -> GenerateResult:
+    """SGLang /generate response item -> GenerateResult; a NaN finish raises
+    BrokenSampleError."""
     meta = item["meta_info"]
     pairs = meta.get("output_token_logprobs") or []
     ids = [int(p[1]) for p in pairs] if pairs else list(item.get("output_ids", []))
-    reason = (meta.get("finish_reason") or {}).get("type", "abort")
+    finish = meta.get("finish_reason") or {}
+    reason = finish.get("type", "abort")
+    if reason == "stop" and finish.get("matched") == NAN_MATCHED:
+        raise BrokenSampleError(f"the server sampled from non-finite logits ({finish!r}) "
+                                f"after {len(ids)} tokens")
     if reason not in ("stop", "length", "abort"):
-        raise EngineError(f"unexpected finish_reason {meta.get('finish_reason')!r}")
+        raise EngineError(f"unexpected finish_reason {finish!r}")
     # SGLang reports only the end-to-end latency; it is booked as decode time.
     return GenerateResult(output_ids=ids, logprobs=[float(p[0]) for p in pairs],
                           finish_reason=reason,
                           timings={"prefill_s": 0.0, "decode_s": latency, "queue_s": 0.0},
-                          cached_tokens=int(meta.get("cached_tokens") or 0))
+                          cached_tokens=int(meta.get("cached_tokens") or 0),
+                          policy_version=policy_version)
+
+
+def error_text(status: int, body: bytes) -> str:
+    """The server's own words from an error body: `{"error": {"message": ...}}`,
+    `{"error": "..."}`, `{"message": ...}`, `{"detail": ...}` or plain text."""
+    text = body.decode("utf-8", errors="replace").strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return text[:2000] or f"HTTP {status} with an empty body"
+    if isinstance(parsed, dict):
+        err = parsed.get("error", parsed)
+        if isinstance(err, dict):
+            err = err.get("message") or err.get("detail") or err
+        return str(err)[:2000]
+    return str(parsed)[:2000]
 
 
 @dataclasses.dataclass
@@ -70,7 +124,17 @@ class _Server:
     outstanding: int = 0
     down_until: float = 0.0
     last_error: str = ""
-    synced_path: str | None = None
+    version: int = 0  # weight version loaded (0: the weights it started with)
+    reloads: int = 0
+    aborts: int = 0  # times the client aborted its requests for a reload
+    lock: asyncio.Lock | None = None  # held while reloading
+    open: asyncio.Event | None = None  # cleared while reloading: new requests wait
+
+    def gates(self) -> tuple[asyncio.Lock, asyncio.Event]:
+        if self.lock is None:
+            self.lock, self.open = asyncio.Lock(), asyncio.Event()
+            self.open.set()
+        return self.lock, self.open
 
 
 class SGLangClient(Engine):
@@ -84,15 +148,25 @@ class SGLangClient(Engine):
     model_config: Qwen3Config, needed to export a params pytree in `update_weights`.
     export_dir: where exported weights go (must be readable by every server);
       default a fresh temporary directory.
+    export_dtype: dtype of exported tensors (the servers' --dtype).
+    export_keep: exports kept on disk (the newest; older ones are deleted once every
+      server has answered the reload).
+    sync_mode: "pause", "abort" or "drain" (module docstring).
+    seeded: send request seeds (the servers must support sampling_seed).
     launchers: server processes this client owns and stops on close.
     """
 
     def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, max_retries: int = 3,
                  backoff: float = 0.5, down_s: float = 30.0, model_config=None,
-                 export_dir: str | None = None,
+                 export_dir: str | None = None, export_dtype: str = "bfloat16",
+                 export_keep: int = 1, sync_mode: str = "pause", seeded: bool = True,
                  launchers: Sequence[SGLangLauncher] = ()):
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
+        if sync_mode not in SYNC_MODES:
+            raise ValueError(f"sync_mode must be one of {SYNC_MODES}, got {sync_mode!r}")
+        if export_keep < 1:
+            raise ValueError(f"export_keep must be >= 1, got {export_keep}")
         self.servers = [_Server(u.rstrip("/")) for u in urls]
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)
@@ -100,9 +174,15 @@ class SGLangClient(Engine):
         self.down_s = float(down_s)
         self.model_config = model_config
         self.export_dir = export_dir
+        self.export_dtype = export_dtype
+        self.export_keep = int(export_keep)
+        self.sync_mode = sync_mode
+        self.seeded = bool(seeded)
         self.launchers = list(launchers)
+        self.version = 0
         self.weights_path: str | None = None
-        self._weights_version = 0
+        self._stats: dict[str, float] = {}
+        self._update_lock: asyncio.Lock | None = None
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
@@ -115,24 +195,38 @@ class SGLangClient(Engine):
         return list(await asyncio.gather(*(self._generate_one(r) for r in requests)))
 
     async def update_weights(self, params_or_path) -> None:
-        """Exports params (or takes an HF directory) and loads it on every server."""
-        if isinstance(params_or_path, str | os.PathLike):
-            path = os.path.abspath(os.fspath(params_or_path))
-        else:
-            path = await asyncio.get_running_loop().run_in_executor(
-                None, self._export, params_or_path)
-        previous, self.weights_path = self.weights_path, path
-        outcomes = await asyncio.gather(*(self._sync(s) for s in self.servers),
-                                        return_exceptions=True)
-        failed = {s.url: o for s, o in zip(self.servers, outcomes, strict=True)
-                  if isinstance(o, BaseException)}
-        for server, error in zip(self.servers, outcomes, strict=True):
-            if isinstance(error, BaseException):
-                self._mark_down(server, error)
-        if len(failed) == len(self.servers):
-            self.weights_path = previous  # every server still serves the previous weights
-            raise EngineError("no server loaded the weights from " + path + ": " +
-                              "; ".join(f"{u}: {e}" for u, e in failed.items()))
+        """Exports params (or takes an HF directory) as the next version and reloads every
+        server once; raises EngineError only when no server loaded it."""
+        self._update_lock = self._update_lock or asyncio.Lock()
+        async with self._update_lock:
+            version, stats = self.version + 1, {}
+            if isinstance(params_or_path, str | os.PathLike):
+                path = os.path.abspath(os.fspath(params_or_path))
+            else:
+                path, stats = await asyncio.get_running_loop().run_in_executor(
+                    None, self._export, params_or_path, version)
+            t0 = time.perf_counter()
+            reloads = sum(s.reloads for s in self.servers)
+            outcomes = await asyncio.gather(*(self._reload(s, path, version)
+                                              for s in self.servers), return_exceptions=True)
+            failed = {s.url: o for s, o in zip(self.servers, outcomes, strict=True)
+                      if isinstance(o, BaseException)}
+            if len(failed) == len(self.servers):
+                raise EngineError("no server loaded the weights from " + path + ": " +
+                                  "; ".join(f"{u}: {e}" for u, e in failed.items()))
+            self.version, self.weights_path = version, path
+            self._prune()
+            stats.update({"sync/version": version,
+                          "sync/reload_s": time.perf_counter() - t0,
+                          "sync/reloads": sum(s.reloads for s in self.servers) - reloads,
+                          "sync/servers_failed": len(failed)})
+            self._stats = stats
+            log.info("weights v%d: %s; %d reload(s) on %d server(s) in %.2f s%s", version,
+                     path, stats["sync/reloads"], len(self.servers), stats["sync/reload_s"],
+                     f"; failed: {failed}" if failed else "")
+
+    def update_stats(self) -> dict[str, float]:
+        return dict(self._stats)
 
     async def health(self) -> bool:
         async def ok(server: _Server) -> bool:
@@ -164,7 +258,81 @@ class SGLangClient(Engine):
         if session is not None:
             await session.close()
 
-    # ------------------------------------------------------------------ internals
+    # ------------------------------------------------------------------ weights
+
+    def _export_root(self) -> str:
+        if not self.export_dir:
+            self.export_dir = tempfile.mkdtemp(prefix="sglang_weights_")
+        return self.export_dir
+
+    def _export(self, params, version: int) -> tuple[str, dict[str, float]]:
+        from models import hf_io
+
+        if self.model_config is None:
+            raise ValueError("SGLangClient.update_weights got parameters but no model_config "
+                             "to export them with; pass model_config= or an HF directory")
+        path = os.path.join(self._export_root(), f"weights_{version:06d}")
+        t0 = time.perf_counter()
+        hf_io.save_hf(params, self.model_config, path, dtype=self.export_dtype)
+        seconds = time.perf_counter() - t0
+        size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+        log.info("weights v%d exported (%s) to %s: %.3f GB in %.2f s", version,
+                 self.export_dtype, path, size / 1e9, seconds)
+        return path, {"sync/export_s": seconds, "sync/export_bytes": float(size)}
+
+    def _prune(self) -> None:
+        """Deletes all but the newest `export_keep` exports (every server has answered
+        the reload, so none is still reading an older one)."""
+        if not self.export_dir or not os.path.isdir(self.export_dir):
+            return
+        versions = sorted(int(m.group(1)) for name in os.listdir(self.export_dir)
+                          if (m := _EXPORT_NAME.match(name)))
+        for v in versions[:-self.export_keep]:
+            shutil.rmtree(os.path.join(self.export_dir, f"weights_{v:06d}"),
+                          ignore_errors=True)
+
+    async def _reload(self, server: _Server, path: str, version: int) -> None:
+        """One reload of `server` to `version`, its traffic quiesced by `sync_mode`; a
+        failure marks it down (it is reloaded before its next request)."""
+        lock, gate = server.gates()
+        async with lock:
+            if server.version >= version:
+                return
+            gate.clear()
+            paused = False
+            try:
+                if self.sync_mode == "drain":
+                    while server.outstanding:
+                        await asyncio.sleep(0.005)
+                elif self.sync_mode == "pause":
+                    await self._post(server, "/pause_generation", {"mode": "retract"})
+                    paused = True
+                else:
+                    server.aborts += 1
+                body = {"model_path": path, "weight_version": str(version),
+                        "abort_all_requests": self.sync_mode == "abort"}
+                answer = await self._post(server, "/update_weights_from_disk", body)
+                if not (isinstance(answer, dict) and answer.get("success", False)):
+                    raise ServerError(f"update_weights_from_disk({path}) failed: {answer!r}")
+                server.version = version
+                server.reloads += 1
+            except (ServerError, EngineError) as e:
+                self._mark_down(server, e)
+                raise
+            finally:
+                if paused:
+                    with contextlib.suppress(ServerError, EngineError):
+                        await self._post(server, "/continue_generation", {})
+                gate.set()
+
+    async def _ready(self, server: _Server) -> None:
+        """Waits while `server` reloads; reloads it first if it missed a version."""
+        _, gate = server.gates()
+        await gate.wait()
+        if server.version < self.version:
+            await self._reload(server, self.weights_path, self.version)
+
+    # ------------------------------------------------------------------ HTTP
 
     def _http(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
@@ -175,86 +343,97 @@ class SGLangClient(Engine):
             self._session_loop = loop
         return self._session
 
-    def _export(self, params) -> str:
-        from models import hf_io
-
-        if self.model_config is None:
-            raise ValueError("SGLangClient.update_weights got parameters but no model_config "
-                             "to export them with; pass model_config= or an HF directory")
-        root = self.export_dir or tempfile.mkdtemp(prefix="sglang_weights_")
-        self._weights_version += 1
-        path = os.path.join(root, f"weights_{self._weights_version:06d}")
-        hf_io.save_hf(params, self.model_config, path)
-        return path
+    async def _post(self, server: _Server, route: str, payload: dict[str, Any]) -> Any:
+        """POST JSON; 5xx and connection failures raise ServerError, other non-200s
+        EngineError (ContextLengthError for a context overflow), with the server's text."""
+        try:
+            async with self._http().post(server.url + route, json=payload) as r:
+                raw = await r.read()
+                if r.status >= 500:
+                    raise ServerError(f"{route} answered HTTP {r.status}: "
+                                      f"{error_text(r.status, raw)}")
+                if r.status != 200:
+                    text = error_text(r.status, raw)
+                    kind = ContextLengthError if _CONTEXT_ERROR.search(text) else EngineError
+                    raise kind(f"{server.url}{route} rejected the request (HTTP {r.status}): "
+                               f"{text}")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            raise ServerError(f"{type(e).__name__}: {e}") from e
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except ValueError as e:
+            raise ServerError(f"{route} answered 200 with a body that is not JSON: "
+                              f"{raw[:200]!r}") from e
 
     def _mark_down(self, server: _Server, error: BaseException) -> None:
         server.down_until = time.monotonic() + self.down_s
         server.last_error = f"{type(error).__name__}: {error}"
 
     def _pick(self) -> _Server:
-        """Least outstanding requests among the servers up; if all are down, the one whose
-        penalty ends first (it may be back)."""
+        """Least outstanding requests among the servers up and not reloading; if all are
+        down, the one whose penalty ends first (it may be back)."""
         now = time.monotonic()
         up = [s for s in self.servers if s.down_until <= now]
         if up:
-            return min(up, key=lambda s: s.outstanding)
+            return min(up, key=lambda s: (s.open is not None and not s.open.is_set(),
+                                          s.outstanding))
         return min(self.servers, key=lambda s: s.down_until)
 
-    async def _sync(self, server: _Server) -> None:
-        path = self.weights_path
-        async with self._http().post(server.url + "/update_weights_from_disk",
-                                     json={"model_path": path}) as r:
-            body = await r.json(content_type=None)
-            if r.status != 200 or not body.get("success", False):
-                raise ServerError(f"update_weights_from_disk({path}) answered {r.status}: "
-                                  f"{body.get('message', body)}")
-        server.synced_path = path
-
-    async def _post_generate(self, server: _Server, payload: dict[str, Any]) -> dict[str, Any]:
-        try:
-            if self.weights_path is not None and server.synced_path != self.weights_path:
-                await self._sync(server)
-            async with self._http().post(server.url + "/generate", json=payload) as r:
-                if r.status >= 500:
-                    raise ServerError(f"HTTP {r.status}: {(await r.text())[:500]}")
-                body = await r.json(content_type=None)
-                if r.status != 200:
-                    message = (body.get("error") or {}).get("message", body) \
-                        if isinstance(body, dict) else body
-                    raise ValueError(f"{server.url}/generate rejected the request "
-                                     f"(HTTP {r.status}): {message}")
-                return body
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise ServerError(f"{type(e).__name__}: {e}") from e
-
     async def _generate_one(self, req: GenerateRequest) -> GenerateResult:
-        payload = request_payload(req)
-        for attempt in range(self.max_retries + 1):
+        """One request with retries; a request aborted by an "abort" reload is continued
+        from its tokens so far on the new weights."""
+        payload = request_payload(req, self.seeded)
+        ids, logprobs, version, attempt, start = [], [], None, 0, time.perf_counter()
+        while attempt <= self.max_retries:
             server = self._pick()
-            server.outstanding += 1
-            start = time.perf_counter()
             try:
-                body = await self._post_generate(server, payload)
+                await self._ready(server)
+            except (ServerError, EngineError) as e:
+                attempt = await self._failed(server, e, attempt)
+                continue
+            aborts, started_on = server.aborts, server.version
+            server.outstanding += 1
+            try:
+                body = await self._post(server, "/generate", payload)
             except ServerError as e:
-                self._mark_down(server, e)
-                if attempt < self.max_retries:
-                    await asyncio.sleep(self.backoff * 2**attempt)
+                attempt = await self._failed(server, e, attempt)
                 continue
             finally:
                 server.outstanding -= 1
             server.down_until = 0.0
-            return parse_response(body, time.perf_counter() - start)
+            part = parse_response(body, 0.0)
+            ids, logprobs = ids + part.output_ids, logprobs + part.logprobs
+            version = started_on if version is None else version
+            left = req.max_new_tokens - len(ids)
+            if part.finish_reason == "abort" and server.aborts != aborts and left > 0:
+                payload = {**payload, "input_ids": list(req.prompt_ids) + ids,
+                           "sampling_params": {**payload["sampling_params"],
+                                               "max_new_tokens": left}}
+                continue
+            reason = "length" if part.finish_reason == "abort" and left <= 0 \
+                else part.finish_reason
+            return dataclasses.replace(
+                part, output_ids=ids, logprobs=logprobs, finish_reason=reason,
+                policy_version=version,
+                timings={**part.timings, "decode_s": time.perf_counter() - start})
         status = "; ".join(f"{s.url} ({s.last_error or 'no error recorded'})"
                            for s in self.servers)
         raise EngineError(f"no inference server answered after {self.max_retries + 1} "
                           f"attempts: {status}")
+
+    async def _failed(self, server: _Server, error: BaseException, attempt: int) -> int:
+        self._mark_down(server, error)
+        if attempt < self.max_retries:
+            await asyncio.sleep(self.backoff * 2**attempt)
+        return attempt + 1
 
 
 # ----------------------------------------------------------------------------- launcher
 
 SGLANG_COMMAND = ("{python} -m sglang.launch_server --model-path {model_path} --port {port} "
                   "--tp-size {tp_size} --mem-fraction-static {mem_fraction_static} "
-                  "--skip-tokenizer-init --host {host}")
+                  "--context-length {context_length} --skip-tokenizer-init --host {host}")
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
 
 
 @dataclasses.dataclass
@@ -266,9 +445,13 @@ class LauncherConfig:
     host: interface to bind (and to reach the server on).
     tp_size: tensor-parallel GPUs (SGLang --tp-size).
     mem_fraction_static: GPU memory for weights + KV cache (SGLang --mem-fraction-static).
+    context_length: longest prompt + output (SGLang --context-length).
+    gpus: GPU ids the server may use (CUDA_VISIBLE_DEVICES); empty leaves it unset.
+    deterministic: add --enable-deterministic-inference (seeded sampling).
     extra_args: appended verbatim, e.g. ["--dtype", "bfloat16"].
     command: format template; fields python, model_path, port, host, tp_size,
-      mem_fraction_static.
+      mem_fraction_static, context_length.
+    python: the interpreter of `{python}` (SGLang's environment); default this one.
     log_path: file receiving stdout+stderr; default a temporary file.
     startup_timeout: seconds to wait for /health.
     env: extra environment variables for the process.
@@ -279,8 +462,12 @@ class LauncherConfig:
     host: str = "127.0.0.1"
     tp_size: int = 1
     mem_fraction_static: float = 0.85
+    context_length: int = 40960
+    gpus: Sequence[int] = ()
+    deterministic: bool = False
     extra_args: Sequence[str] = ()
     command: str = SGLANG_COMMAND
+    python: str = ""
     log_path: str | None = None
     startup_timeout: float = 900.0
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -316,11 +503,19 @@ class SGLangLauncher:
     def command(self) -> list[str]:
         """The argv this launcher runs."""
         c = self.config
-        fields = {"python": sys.executable, "model_path": c.model_path, "port": self.port,
-                  "host": c.host, "tp_size": c.tp_size,
-                  "mem_fraction_static": c.mem_fraction_static}
+        fields = {"python": c.python or sys.executable, "model_path": c.model_path,
+                  "port": self.port, "host": c.host, "tp_size": c.tp_size,
+                  "mem_fraction_static": c.mem_fraction_static,
+                  "context_length": c.context_length}
         argv = [part.format(**fields) for part in shlex.split(c.command)]
-        return argv + [str(a) for a in c.extra_args]
+        flags = [DETERMINISTIC_FLAG] if c.deterministic else []
+        return argv + flags + [str(a) for a in c.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        """Variables set for the process on top of this one's."""
+        gpus = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.config.gpus))} \
+            if self.config.gpus else {}
+        return {**gpus, **self.config.env}
 
     def start(self) -> SGLangLauncher:
         """Starts the process and blocks until /health answers 200."""
@@ -335,7 +530,7 @@ class SGLangLauncher:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                            env={**os.environ, **self.config.env})
+                                            env={**os.environ, **self.environment()})
 
     def wait_healthy(self, timeout: float | None = None) -> None:
         """Blocks until /health answers 200; on exit or deadline kills the group and raises
@@ -391,9 +586,6 @@ class SGLangLauncher:
 
 
 def _http_ok(url: str) -> bool:
-    import urllib.error
-    import urllib.request
-
     try:
         with urllib.request.urlopen(url, timeout=5) as r:
             return r.status == 200
@@ -401,23 +593,138 @@ def _http_ok(url: str) -> bool:
         return False
 
 
+# ----------------------------------------------------------------------------- startup checks
+
+
+def parse_version(text: str) -> tuple[int, ...]:
+    """"0.5.3rc1" -> (0, 5, 3)."""
+    match = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(text))
+    if not match:
+        raise EngineError(f"cannot read a server version from {text!r}")
+    return tuple(int(g or 0) for g in match.groups())
+
+
+def server_context_length(info: Mapping[str, Any]) -> int | None:
+    """The longest request a server takes, from /get_server_info: its `context_length`
+    (SGLang's --context-length), else None (the model's own limit, not reported)."""
+    value = info.get("context_length")
+    return int(value) if value else None
+
+
+def check_server(url: str, info: Mapping[str, Any], max_context: int, seeded: bool) -> None:
+    """Refuses a server (EngineError naming it and the numbers) whose version, context
+    limit or determinism does not fit the run."""
+    version = parse_version(info.get("version", ""))
+    shown = ".".join(map(str, version))
+    if version < MIN_VERSION:
+        raise EngineError(f"{url} runs SGLang {shown}; this client needs >= "
+                          f"{'.'.join(map(str, MIN_VERSION))}")
+    limit = server_context_length(info)
+    if limit is not None and limit < max_context:
+        raise EngineError(f"{url} takes at most {limit} tokens (context_length) but "
+                          f"rollout.max_context is {max_context}; launch it with "
+                          f"--context-length {max_context} or lower rollout.max_context")
+    if seeded and (version < SEED_VERSION or not info.get("enable_deterministic_inference")):
+        raise EngineError(
+            f"{url} (SGLang {shown}, enable_deterministic_inference="
+            f"{bool(info.get('enable_deterministic_inference'))}) cannot sample with seeds: "
+            f"that needs SGLang >= {'.'.join(map(str, SEED_VERSION))} run with "
+            f"{DETERMINISTIC_FLAG}; set engine.sglang.deterministic=False to sample unseeded")
+
+
+def server_info(url: str, timeout: float = 30.0) -> dict[str, Any]:
+    """GET /get_server_info as a dict (EngineError with the server's text otherwise)."""
+    try:
+        with urllib.request.urlopen(url + "/get_server_info", timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise EngineError(f"{url}/get_server_info answered HTTP {e.code}: "
+                          f"{error_text(e.code, e.read())}") from e
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise EngineError(f"{url}/get_server_info failed: {e}") from e
+
+
+def check_context(config, model_config) -> None:
+    """Refuses a recipe whose rollout.max_context exceeds the model's limit."""
+    limit = int(model_config.max_position_embeddings)
+    if config.rollout.max_context > limit:
+        raise ValueError(f"rollout.max_context ({config.rollout.max_context}) exceeds the "
+                         f"model's context limit ({limit} = max_position_embeddings); lower "
+                         f"rollout.max_context to at most {limit}")
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+def placement(config) -> dict[str, Any]:
+    """Which GPUs of the host the launched servers and the learner use.
+
+    Launched servers take the last `len(ports) * tp_size` of `host_gpus` GPUs, server
+    i the i-th group of `tp_size`; the learner's JAX devices are the rest. Servers at
+    `urls` run elsewhere and the learner keeps every GPU.
+    """
+    sg = config.engine.sglang
+    total = int(sg.host_gpus)
+    if config.engine.kind != "sglang" or sg.urls or not sg.launch:
+        return {"host_gpus": total, "learner_gpus": list(range(total)), "servers": []}
+    tp, n = int(sg.tp_size), len(sg.ports)
+    first = total - n * tp
+    if first < 1:
+        raise ValueError(f"engine.sglang: {n} server(s) x tp_size {tp} = {n * tp} GPUs leave "
+                         f"none of host_gpus={total} for the learner; launch fewer servers or "
+                         f"give urls of servers on other hosts")
+    servers = [{"port": int(port), "gpus": list(range(first + i * tp, first + (i + 1) * tp))}
+               for i, port in enumerate(sg.ports)]
+    return {"host_gpus": total, "learner_gpus": list(range(first)), "servers": servers}
+
+
+def restrict_learner_devices(config) -> list[int]:
+    """Limits this process's JAX GPUs to the learner's share of `placement` (before JAX
+    starts its backend); returns the GPU ids."""
+    import jax
+
+    gpus = placement(config)["learner_gpus"]
+    if config.engine.kind == "sglang" and config.engine.sglang.launch \
+            and not config.engine.sglang.urls:
+        jax.config.update("jax_cuda_visible_devices", ",".join(map(str, gpus)))
+    return gpus
+
+
 # ----------------------------------------------------------------------------- from a config
 
 
 def _launcher_configs(config, model_path: str) -> list[LauncherConfig]:
     sg = config.engine.sglang
+    gpus = {s["port"]: s["gpus"] for s in placement(config)["servers"]}
     return [LauncherConfig(model_path=model_path, port=int(port), host=sg.host,
                            tp_size=int(sg.tp_size),
                            mem_fraction_static=float(sg.mem_fraction_static),
-                           extra_args=tuple(sg.extra_args),
+                           context_length=int(sg.context_length or config.rollout.max_context),
+                           gpus=tuple(gpus.get(int(port), ())),
+                           deterministic=bool(sg.deterministic),
+                           extra_args=tuple(sg.extra_args), command=sg.command or SGLANG_COMMAND,
+                           python=sg.python, env=_env_entries(sg.env),
                            startup_timeout=float(sg.health_timeout_s))
             for port in sg.ports]
 
 
+def _env_entries(entries: Sequence[str]) -> dict[str, str]:
+    out = {}
+    for entry in entries:
+        key, eq, value = str(entry).partition("=")
+        if not eq or not key:
+            raise ValueError(f"engine.sglang.env entry {entry!r} is not KEY=VALUE")
+        out[key] = value
+    return out
+
+
 def launch_commands(config, workdir: str = "WORKDIR") -> list[list[str]]:
-    """The server command lines `from_config` would run (one per `engine.sglang.ports`)."""
+    """The server command lines `from_config` would run (one per `engine.sglang.ports`),
+    each prefixed with its environment (e.g. CUDA_VISIBLE_DEVICES=2,3)."""
     model_path = config.model.hf_path or os.path.join(workdir, "sglang_weights", "init")
-    return [SGLangLauncher(c).command() for c in _launcher_configs(config, model_path)]
+    launchers = [SGLangLauncher(c) for c in _launcher_configs(config, model_path)]
+    return [[f"{k}={v}" for k, v in sorted(x.environment().items())] + x.command()
+            for x in launchers]
 
 
 def from_config(config, workdir: str, model_config=None) -> SGLangClient:
@@ -426,7 +733,7 @@ def from_config(config, workdir: str, model_config=None) -> SGLangClient:
     With `urls` it connects to running servers; otherwise, with `launch`, it starts one
     server per port on `config.model.hf_path` (or, for a model trained from scratch, on
     a seed-initialised export of `model_config` that the first `update_weights`
-    replaces) and stops them on close.
+    replaces) and stops them on close. Every server is checked (`check_server`) first.
     model_config: the served Qwen3Config; read from `hf_path` when not given.
     """
     from models import hf_io
@@ -435,12 +742,15 @@ def from_config(config, workdir: str, model_config=None) -> SGLangClient:
     hf_path = config.model.get("hf_path", "")
     if model_config is None and hf_path:
         model_config = hf_io.load_config(hf_path)
+    if model_config is not None:
+        check_context(config, model_config)
     export_dir = sg.export_dir or os.path.join(workdir, "sglang_weights")
     urls, launchers = list(sg.urls), []
     if not urls:
         if not sg.launch:
             raise ValueError("engine.sglang has no urls and launch=False: nothing to connect to")
-        model_path = hf_path or _export_init(model_config, export_dir, int(config.seed))
+        model_path = hf_path or _export_init(model_config, export_dir, int(config.seed),
+                                             sg.export_dtype)
         launchers = [SGLangLauncher(c) for c in _launcher_configs(config, model_path)]
         try:
             for launcher in launchers:
@@ -452,11 +762,24 @@ def from_config(config, workdir: str, model_config=None) -> SGLangClient:
                 launcher.close()
             raise
         urls = [launcher.url for launcher in launchers]
+    try:
+        for url in urls:
+            check_server(url, server_info(url), int(config.rollout.max_context),
+                         bool(sg.deterministic))
+    except BaseException:
+        for launcher in launchers:
+            launcher.close()
+        raise
+    if not sg.deterministic:
+        log.warning("engine.sglang.deterministic=False: sampling is not seeded")
     return SGLangClient(urls, timeout=float(sg.timeout_s), max_retries=int(sg.max_retries),
-                        model_config=model_config, export_dir=export_dir, launchers=launchers)
+                        model_config=model_config, export_dir=export_dir,
+                        export_dtype=sg.export_dtype, export_keep=int(sg.export_keep),
+                        sync_mode=sg.sync_mode, seeded=bool(sg.deterministic),
+                        launchers=launchers)
 
 
-def _export_init(model_config, export_dir: str, seed: int) -> str:
+def _export_init(model_config, export_dir: str, seed: int, dtype: str) -> str:
     from flax import nnx
 
     from models import hf_io, qwen3
@@ -465,5 +788,6 @@ def _export_init(model_config, export_dir: str, seed: int) -> str:
         raise ValueError("launching SGLang for a model without model.hf_path needs "
                          "model_config to export initial weights")
     path = os.path.join(export_dir, "init")
-    hf_io.save_hf(qwen3.Qwen3(model_config, rngs=nnx.Rngs(seed)), model_config, path)
+    hf_io.save_hf(qwen3.Qwen3(model_config, rngs=nnx.Rngs(seed)), model_config, path,
+                  dtype=dtype)
     return path

@@ -42,12 +42,21 @@ from env.sandbox.base import SandboxError
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
 from env.tools import TOOL_SCHEMAS
-from inference.engine import Engine, EngineError, GenerateRequest
+from inference.engine import (
+    BrokenSampleError,
+    ContextLengthError,
+    Engine,
+    EngineError,
+    GenerateRequest,
+)
 from models.tokenizer import TOOL_CALL_END, Tokenizer
 from rl.prefix import PrefixTask
 from rl.types import Trajectory, Turn
 
 log = logging.getLogger(__name__)
+
+# Prefix of `Trajectory.error` for a broken sample of the engine (NaN logits).
+ENGINE_ERROR = "engine: "
 
 SYSTEM_PROMPT = (
     "You are a programming agent. Fix the issue in the repository by calling tools. "
@@ -145,7 +154,7 @@ class Agent:
             if text is None:
                 return None
             ids = self.tokenizer.encode(text)[:budget]
-            return ids, [0.0] * len(ids)
+            return ids, [0.0] * len(ids), None
 
         return await self._run_once(RolloutJob(task), act)
 
@@ -157,7 +166,9 @@ class Agent:
         [result] = await self.engine.generate([request])
         if result.finish_reason == "abort":
             raise EngineError(f"engine aborted a request of task {job.task.instance_id}")
-        return result.output_ids, result.logprobs
+        version = self.policy_version if result.policy_version is None \
+            else result.policy_version
+        return result.output_ids, result.logprobs, version
 
     async def _run_once(self, job: RolloutJob, act) -> Trajectory:
         traj = Trajectory(task_id=job.task.instance_id, uid=uuid.uuid4().hex, turns=[],
@@ -228,11 +239,18 @@ class Agent:
             except TimeoutError:
                 traj.status = "timeout"
                 return
+            except ContextLengthError:  # the engine's context is shorter than max_context
+                traj.status = "truncated"
+                return
+            except BrokenSampleError as e:  # never trained on; counted in the metrics
+                traj.status, traj.error = "env_error", f"{ENGINE_ERROR}{e}"
+                return
             timings["generate_s"] += time.perf_counter() - t0
             if action is None:  # a script that ran out of actions
                 traj.status = "max_steps"
                 return
-            turn = Turn(list(obs_ids), list(action[0]), list(action[1]))
+            turn = Turn(list(obs_ids), list(action[0]), list(action[1]),
+                        policy_version=action[2])
             traj.turns.append(turn)
             context += turn.action_ids
             generated += len(turn.action_ids)

@@ -29,6 +29,8 @@ class Turn:
     observation: the text the environment answered with.
     patch: `git diff` of the repository against the base commit after this step.
     replayed: copied from a prefix source; prefilled, never trained.
+    policy_version: the oldest policy version that sampled the action (the engine's
+      weight version where it reports one, else the agent's; None when scripted).
     """
 
     obs_ids: list[int]
@@ -38,6 +40,7 @@ class Turn:
     observation: str = ""
     patch: str = ""
     replayed: bool = False
+    policy_version: int | None = None
 
     def __post_init__(self):
         if len(self.action_ids) != len(self.action_logprobs):

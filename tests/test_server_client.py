@@ -171,8 +171,9 @@ def test_update_weights_changes_outputs(servers, models, references):
     _, dir_b = models["b"]
 
     async def go(tmp):
+        # The servers run the f32 model: exports in their dtype reproduce it exactly.
         async with SGLangClient([s.url for s in servers], model_config=CFG,
-                                export_dir=tmp) as client:
+                                export_dir=tmp, export_dtype="float32") as client:
             before = await client.generate(reqs)
             await client.update_weights(dir_b)
             after = await client.generate(reqs)
@@ -201,6 +202,28 @@ def test_update_weights_failure_is_reported(servers):
         run(go())
     # The failed server got no new weights and is skipped for a while; it still serves.
     assert urllib.request.urlopen(servers[0].url + "/health").status == 200
+
+
+def test_from_config(servers):
+    from configs.common import sglang_defaults
+
+    sglang = ml_collections.ConfigDict(sglang_defaults())
+    sglang.update(launch=True, ports=(30000, 30001), tp_size=2, max_retries=1, host_gpus=6)
+    config = ml_collections.ConfigDict(dict(seed=0, model=dict(hf_path="/w/qwen3"),
+                                            rollout=dict(max_context=32),
+                                            engine=dict(kind="sglang", sglang=sglang)))
+    commands = launch_commands(config)
+    assert [c[c.index("--port") + 1] for c in commands] == ["30000", "30001"]
+    assert all(c[c.index("--model-path") + 1] == "/w/qwen3" for c in commands)
+    assert [c[0] for c in commands] == ["CUDA_VISIBLE_DEVICES=2,3", "CUDA_VISIBLE_DEVICES=4,5"]
+    config.engine.sglang.urls = tuple(s.url for s in servers)
+    client = from_config(config, "/tmp", model_config=CFG)
+    assert [s.url for s in client.servers] == list(config.engine.sglang.urls)
+    assert client.max_retries == 1 and client.launchers == [] and client.seeded
+    client.close()
+    config.rollout.max_context = 64  # the servers take 32 tokens
+    with pytest.raises(EngineError, match="at most 32 tokens"):
+        from_config(config, "/tmp", model_config=CFG)
 
 
 def test_no_server_up_names_every_url():
@@ -278,6 +301,7 @@ SGLANG_DOCUMENTED_FLAGS = {
     "--tensor-parallel-size", "--tp-size", "--mem-fraction-static", "--dtype",
     "--context-length", "--random-seed", "--data-parallel-size", "--dp-size",
     "--max-running-requests", "--chunked-prefill-size", "--weight-version",
+    "--enable-deterministic-inference",
 }
 
 
@@ -285,31 +309,16 @@ def test_sglang_command_line_uses_documented_flags():
     launcher = SGLangLauncher(LauncherConfig(model_path="/ckpt/qwen3-14b", port=30011,
                                              host="0.0.0.0", tp_size=4,
                                              mem_fraction_static=0.8,
+                                             context_length=40960, deterministic=True,
                                              extra_args=("--dtype", "bfloat16")))
     argv = launcher.command()
     assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path",
                     "/ckpt/qwen3-14b", "--port", "30011", "--tp-size", "4",
-                    "--mem-fraction-static", "0.8", "--skip-tokenizer-init", "--host",
-                    "0.0.0.0", "--dtype", "bfloat16"]
+                    "--mem-fraction-static", "0.8", "--context-length", "40960",
+                    "--skip-tokenizer-init", "--host", "0.0.0.0",
+                    "--enable-deterministic-inference", "--dtype", "bfloat16"]
     flags = {a for a in argv if a.startswith("--")}
     assert flags <= SGLANG_DOCUMENTED_FLAGS
     assert launcher.url == "http://0.0.0.0:30011"
     with pytest.raises(KeyError, match="tp"):
         SGLangLauncher({"tp": 2})
-
-
-def test_from_config():
-    sglang = ml_collections.ConfigDict(dict(
-        urls=(), launch=True, ports=(30000, 30001), host="127.0.0.1", tp_size=2,
-        mem_fraction_static=0.7, extra_args=(), timeout_s=60.0, max_retries=1, export_dir="",
-        health_timeout_s=10.0))
-    config = ml_collections.ConfigDict(dict(seed=0, model=dict(hf_path="/w/qwen3"),
-                                            engine=dict(sglang=sglang)))
-    commands = launch_commands(config)
-    assert [c[c.index("--port") + 1] for c in commands] == ["30000", "30001"]
-    assert all(c[c.index("--model-path") + 1] == "/w/qwen3" for c in commands)
-    config.engine.sglang.urls = ("http://h1:1", "http://h2:2")
-    client = from_config(config, "/tmp", model_config=CFG)
-    assert [s.url for s in client.servers] == ["http://h1:1", "http://h2:2"]
-    assert client.max_retries == 1 and client.launchers == []
-    client.close()

@@ -1,0 +1,266 @@
+"""SGLangClient's weight sync, errors and startup checks against stub SGLang 0.5.x
+servers (tests/sglang_stub.py: real HTTP on 127.0.0.1, SGLang's locking, pause and
+error behaviour), the launcher's placement, and the recipes' dry runs."""
+
+import asyncio
+import os
+
+import pytest
+from flax import nnx
+
+from configs.common import apply_overrides, load_config
+from inference import sglang
+from inference.engine import BrokenSampleError, ContextLengthError, EngineError, GenerateRequest
+from models.qwen3 import Qwen3, Qwen3Config
+from tests.sglang_stub import StubSGLang, next_token, token_logprob
+
+RECIPES = ["configs/grpo_swe.py", "configs/ps_qwen3_14b_swe.py", "configs/ps_qwen3_32b_swe.py",
+           "configs/spo_qwen3_8b.py"]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def expected_ids(prompt, n):
+    out = []
+    for _ in range(n):
+        out.append(next_token(list(prompt) + out))
+    return out
+
+
+async def with_stubs(n, body, **stub_kw):
+    stubs = [await StubSGLang(**stub_kw).start() for _ in range(n)]
+    try:
+        return await body(stubs)
+    finally:
+        for stub in stubs:
+            await stub.stop()
+
+
+def test_stub_reload_waits_for_in_flight_and_blocks_new(tmp_path):
+    """The stub itself, driven with raw HTTP: SGLang's model_update_lock semantics."""
+    import aiohttp
+
+    async def body(stubs):
+        (stub,) = stubs
+        gen = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 40}}
+        async with aiohttp.ClientSession() as http:
+            async def post(route, payload):
+                async with http.post(stub.url + route, json=payload) as r:
+                    return r.status, await r.json()
+
+            first = asyncio.create_task(post("/generate", gen))
+            await asyncio.sleep(0.02)
+            reload = asyncio.create_task(post("/update_weights_from_disk",
+                                              {"model_path": str(tmp_path)}))
+            await asyncio.sleep(0.01)
+            late = asyncio.create_task(post("/generate", gen))
+            (_, a), (_, r), (_, b) = await asyncio.gather(first, reload, late)
+            assert a["meta_info"]["weight_version"] == "default"  # finished before the load
+            assert r["success"] and b["meta_info"]["weight_version"] == "default"
+            assert stub.reload_overlaps == 0 and stub.reloads == [str(tmp_path)]
+            status, over = await post("/generate", {"input_ids": [1] * 10, "sampling_params":
+                                                    {"max_new_tokens": 5000}})
+            assert status == 400 and "context length" in over["error"]["message"]
+
+    run(with_stubs(1, body, token_s=0.001))
+
+
+@pytest.mark.parametrize("mode", sglang.SYNC_MODES)
+def test_one_reload_per_server_with_32_in_flight(tmp_path, mode):
+    """32 requests in flight on 2 servers and one update: exactly one reload per server,
+    every request completes with the tokens an uninterrupted request gives, and each
+    records the oldest weight version that produced it."""
+    weights = tmp_path / "w1"
+    weights.mkdir()
+    reqs = [GenerateRequest([i + 1, 7, 9], 60) for i in range(32)]
+
+    async def body(stubs):
+        client = sglang.SGLangClient([s.url for s in stubs], sync_mode=mode,
+                                     export_dir=str(tmp_path))
+        pending = asyncio.gather(*(client.generate([r]) for r in reqs))
+        await asyncio.sleep(0.05)
+        await client.update_weights(str(weights))
+        late = await client.generate([GenerateRequest([5, 5], 4)])
+        results = [r for (r,) in await pending]
+        await client.aclose()
+        return results, late[0]
+
+    stubs_holder = []
+
+    async def capture(stubs):
+        stubs_holder.extend(stubs)
+        return await body(stubs)
+
+    results, late = run(with_stubs(2, capture, token_s=0.002))
+    assert [s.reloads for s in stubs_holder] == [[str(weights)], [str(weights)]]
+    assert all(s.reload_overlaps == 0 for s in stubs_holder)
+    for req, res in zip(reqs, results, strict=True):
+        assert res.output_ids == expected_ids(req.prompt_ids, 60)
+        assert res.logprobs == [token_logprob(t) for t in res.output_ids]
+        assert res.finish_reason == "length" and res.policy_version == 0
+    assert late.policy_version == 1
+    assert sum(s.generated_requests for s in stubs_holder) >= 33
+
+
+def test_exports_rotate_and_are_bf16(tmp_path):
+    """10 updates from parameters keep the newest export_keep directories, in bf16."""
+    import json
+
+    cfg = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=16)
+    model = Qwen3(cfg, rngs=nnx.Rngs(0))
+    params = nnx.state(model)
+
+    async def body(stubs):
+        client = sglang.SGLangClient([s.url for s in stubs], model_config=cfg,
+                                     export_dir=str(tmp_path), export_keep=2)
+        sizes = []
+        for _ in range(10):
+            await client.update_weights(params)
+            sizes.append(client.update_stats()["sync/export_bytes"])
+            assert len([d for d in os.listdir(tmp_path) if d.startswith("weights_")]) <= 2
+        await client.aclose()
+        return client, sizes
+
+    stubs_holder = []
+
+    async def capture(stubs):
+        stubs_holder.extend(stubs)
+        return await body(stubs)
+
+    client, sizes = run(with_stubs(2, capture, load_s=0.0))
+    assert sorted(os.listdir(tmp_path)) == ["weights_000009", "weights_000010"]
+    assert [len(s.reloads) for s in stubs_holder] == [10, 10]
+    with open(tmp_path / "weights_000010" / "config.json") as f:
+        assert json.load(f)["torch_dtype"] == "bfloat16"
+    n_params = sum(x.size for x in __import__("jax").tree.leaves(params))
+    assert n_params * 2 < sizes[-1] < n_params * 2 + 100_000
+    assert client.update_stats()["sync/reloads"] == 2
+
+
+@pytest.mark.parametrize("style", ["object", "string", "text"])
+def test_error_bodies_become_engine_errors_with_the_servers_text(style):
+    async def body(stubs):
+        client = sglang.SGLangClient([stubs[0].url])
+        with pytest.raises(ContextLengthError, match="maximum context length of 64"):
+            await client.generate([GenerateRequest(list(range(1, 40)), 30)])
+        stubs[0].version = "0.5.2"  # rejects sampling_seed
+        with pytest.raises(EngineError, match="unexpected keyword argument 'sampling_seed'"):
+            await client.generate([GenerateRequest([1, 2], 3, seed=4)])
+        await client.aclose()
+
+    run(with_stubs(1, body, context_length=64, error_style=style))
+
+
+def test_nan_finish_is_a_broken_sample():
+    async def body(stubs):
+        client = sglang.SGLangClient([stubs[0].url])
+        with pytest.raises(BrokenSampleError, match="NaN happened"):
+            await client.generate([GenerateRequest([1, 999, 2], 8)])
+        ok = await client.generate([GenerateRequest([1, 2], 3)])
+        await client.aclose()
+        return ok
+
+    assert run(with_stubs(1, body))[0].output_ids == expected_ids([1, 2], 3)
+
+
+def test_startup_checks_refuse_with_the_numbers():
+    ok = {"version": "0.5.3", "context_length": 40960, "enable_deterministic_inference": True}
+    sglang.check_server("u", ok, 40960, seeded=True)
+    with pytest.raises(EngineError, match=r"at most 32768 tokens .*max_context is 40960"):
+        sglang.check_server("u", {**ok, "context_length": 32768}, 40960, seeded=True)
+    with pytest.raises(EngineError, match="0.4.9"):
+        sglang.check_server("u", {**ok, "version": "0.4.9"}, 1024, seeded=False)
+    with pytest.raises(EngineError, match="enable-deterministic-inference"):
+        sglang.check_server("u", {**ok, "version": "0.5.2"}, 1024, seeded=True)
+    with pytest.raises(EngineError, match="enable_deterministic_inference=False"):
+        sglang.check_server("u", {**ok, "enable_deterministic_inference": False}, 1024,
+                            seeded=True)
+    sglang.check_server("u", {**ok, "version": "0.5.2"}, 1024, seeded=False)
+
+    async def body(stubs):
+        return await asyncio.to_thread(sglang.server_info, stubs[0].url)
+
+    info = run(with_stubs(1, body, version="0.5.4rc1", context_length=512))
+    assert sglang.parse_version(info["version"]) == (0, 5, 4)
+    assert sglang.server_context_length(info) == 512
+
+
+def test_unseeded_client_sends_no_seed():
+    req = GenerateRequest([1], 2, seed=3)
+    assert sglang.request_payload(req)["sampling_params"]["sampling_seed"] == 3
+    assert "sampling_seed" not in sglang.request_payload(req, seeded=False)["sampling_params"]
+
+
+# ----------------------------------------------------------------------------- placement
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_placement_shares_no_gpu(recipe):
+    config = load_config(recipe)
+    place = sglang.placement(config)
+    server_gpus = [g for s in place["servers"] for g in s["gpus"]]
+    assert place["servers"] and place["learner_gpus"]
+    assert len(set(server_gpus)) == len(server_gpus)
+    assert not set(server_gpus) & set(place["learner_gpus"])
+    assert sorted(server_gpus + place["learner_gpus"]) == list(range(place["host_gpus"]))
+    for line, server in zip(sglang.launch_commands(config), place["servers"], strict=True):
+        assert line[0] == "CUDA_VISIBLE_DEVICES=" + ",".join(map(str, server["gpus"]))
+        assert "--context-length" in line and line[line.index("--context-length") + 1] == \
+            str(config.rollout.max_context)
+        assert sglang.DETERMINISTIC_FLAG in line
+
+
+def test_launcher_python_env_and_flags_from_config():
+    config = load_config("configs/grpo_swe.py")
+    apply_overrides(config, {"engine.sglang.python": "/opt/sgl/bin/python",
+                             "engine.sglang.env": ("HF_HOME=/x", "A=b=c"),
+                             "engine.sglang.extra_args": ("--dtype", "bfloat16", "--x"),
+                             "engine.sglang.deterministic": False,
+                             "engine.sglang.context_length": 32768})
+    (line, _) = sglang.launch_commands(config)
+    assert line[:3] == ["A=b=c", "CUDA_VISIBLE_DEVICES=4,5", "HF_HOME=/x"]
+    assert line[3:6] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
+    assert line[-3:] == ["--dtype", "bfloat16", "--x"]
+    assert sglang.DETERMINISTIC_FLAG not in line
+    assert line[line.index("--context-length") + 1] == "32768"
+    apply_overrides(config, {"engine.sglang.ports": tuple(range(30000, 30004))})
+    with pytest.raises(ValueError, match="8 GPUs leave none of host_gpus=8"):
+        sglang.placement(config)
+    apply_overrides(config, {"engine.sglang.urls": ("http://10.0.0.1:30000",)})
+    assert sglang.placement(config)["learner_gpus"] == list(range(8))
+
+
+def test_learner_devices_restricted_to_the_rest():
+    import jax
+
+    config = load_config("configs/spo_qwen3_8b.py")
+    before = jax.config.values["jax_cuda_visible_devices"]
+    try:
+        assert sglang.restrict_learner_devices(config) == [0, 1, 2, 3]
+        assert jax.config.values["jax_cuda_visible_devices"] == "0,1,2,3"
+    finally:
+        jax.config.update("jax_cuda_visible_devices", before)
+
+
+def test_dry_run_prints_disjoint_placement():
+    """(Every recipe's placement is checked above; a dry run of each takes seconds.)"""
+    from rl import setup
+
+    summary = setup.dry_run(load_config("configs/grpo_swe.py"))
+    place = summary["placement"]
+    servers = {g for s in place["servers"] for g in s["gpus"]}
+    assert servers and place["learner_gpus"] and not servers & set(place["learner_gpus"])
+
+
+def test_dry_run_refuses_context_above_the_models_limit():
+    from rl import setup
+
+    config = load_config("configs/grpo_swe.py")
+    apply_overrides(config, {"rollout.max_context": 65536, "engine.max_len": 65536,
+                             "learner.row_buckets": (65536,)})
+    with pytest.raises(ValueError, match=r"max_context \(65536\) exceeds the model's context "
+                                         r"limit \(40960"):
+        setup.dry_run(config)
