@@ -8,7 +8,9 @@ Reads top to bottom: config -> mesh -> tasks -> tokenizer -> model -> learner ->
 engine -> environment -> algorithm (rl.algos) -> resume or SFT warm start -> KL
 reference -> loop {collect, advantages, batch, train_step, the algorithm's
 bookkeeping, weight sync, eval, metrics, checkpoint}. Rerunning the same command
-resumes from the workdir.
+resumes from the workdir. On a pod every host runs the same command, one JAX process
+each (started from `config.distributed`); rl.distributed says how rollouts, host
+state, evals, checkpoints and weight sync are shared between them.
 """
 
 from __future__ import annotations
