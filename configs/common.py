@@ -1,10 +1,14 @@
 """Config conventions shared by every file in `configs/`.
 
-Each config file defines `get_config(arg=None) -> ConfigDict` (big_vision style).
-`arg` is the text after the colon in `--config configs/default.py:smoke,seed=3`;
-`parse_arg` turns it into a ConfigDict of typed options. Configs are returned
-locked: setting a key that does not exist raises an error naming the key, so a
-typo in a sweep or on the command line never passes silently. Sweeps are
+Each config file defines `get_config(arg=None) -> ConfigDict` (big_vision style)
+and `OPTIONS`, the defaults of its options. `arg` is the text after the colon in
+`--config configs/default.py:smoke,seed=3`; `parse_arg` turns it into a ConfigDict
+of typed options, each replacing only its own default. Config files import only
+ml_collections and `configs` modules, so reading one imports no JAX. Configs are
+returned locked: setting a key that does not exist raises an error naming the key,
+so a typo in a sweep or on the command line never passes silently. A key derived
+from another is a reference to it (`get_ref`), so an override moves both. Every
+numeric key has an allowed range in `RANGES`, checked by `check_values`. Sweeps are
 `get_hyper(h)` functions returning a list of override dicts (`h.product`, `h.sweep`
 style, without the dependency: see `product` and `sweep` below).
 """
