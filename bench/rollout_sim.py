@@ -350,8 +350,10 @@ def sim_tokenizer() -> Tokenizer:
 
 
 def task(index: int) -> Task:
+    # No git in the simulated sandbox: nothing to restore before grading.
     return Task(instance_id=f"sim-{index:05d}", repo_files={}, test_command=GRADE_COMMAND,
-                problem_statement=f"Simulated task {index}: make the tests pass.")
+                problem_statement=f"Simulated task {index}: make the tests pass.",
+                protect_tests=False)
 
 
 @dataclasses.dataclass(frozen=True)
