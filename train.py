@@ -30,6 +30,7 @@ from flax import nnx
 
 from configs import common
 from env.tasks import Task
+from inference import sglang
 from models import sharding
 from rl import algos, distributed, learner, setup, sft
 from rl.batch import pack_trajectories
@@ -64,6 +65,8 @@ def main(argv=None) -> None:
     # ------------------------------------------------------------------ config
     config = common.load_config(args.config)
     config = common.apply_overrides(config, common.parse_overrides(args.set))
+    # Launched SGLang servers own their GPUs; the learner's JAX devices are the rest.
+    sglang.restrict_learner_devices(config)
     distributed.initialize(config.distributed)  # before anything touches a device
     setup.check_config(config)
     distributed.check_supported(config)
@@ -213,6 +216,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             t0 = time.perf_counter()
             await sync_weights(state.params)
             metrics["time/sync_s"] = time.perf_counter() - t0
+            metrics.update(engine.update_stats())  # export and reload times, sizes, counts
             metrics["time/step_s"] = time.perf_counter() - t_step
             # Per second of the phase that generated the tokens: the rollout phase, or
             # the whole step when generation overlaps the learner (a stream).

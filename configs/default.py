@@ -11,14 +11,20 @@ demonstrations, then RL with GRPO + rejection sampling and Prefix Sampling.
     python train.py --config configs/default.py:seed=1,adaptive --workdir runs/ps_adaptive
 
 Options after the colon (`OPTIONS`): smoke, baseline (Prefix Sampling off), spo,
-adaptive (adaptive prefix controller), seed=N, steps=N.
+adaptive (adaptive prefix controller), server (sample through a launched
+`inference.server` over SGLang's protocol, as on a GPU pod), seed=N, steps=N.
 """
 
 import ml_collections
 
 from configs import common
 
-OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, seed=0, steps=0)
+OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, server=False, seed=0,
+               steps=0)
+# The project's SGLang-protocol server on its CPU engine, launched like SGLang.
+SERVER_COMMAND = ("{python} -m inference.server --model-path {model_path} --port {port} "
+                  "--host {host} --context-length {context_length} --max-batch 64 "
+                  "--min-batch 8 --min-len 64 --prefix-cache-tokens 262144")
 
 
 def get_config(arg=None):
@@ -45,7 +51,7 @@ def get_config(arg=None):
 
     c.env = dict(backend="local", tasks="miniswe", train_tasks=512, eval_tasks=48,
                  difficulties=(0, 1), task_seed=1234, eval_seed=4321, image="",
-                 max_concurrent=48, tools_in_prompt=False)
+                 max_concurrent=48, tools_in_prompt=False, **common.sandbox_defaults())
 
     c.rollout = dict(max_steps=6, max_turn_tokens=80, max_response_tokens=400,
                      max_context=1024, wall_timeout_s=300.0, temperature=0.7, top_p=1.0,
@@ -108,6 +114,13 @@ def get_config(arg=None):
         c.spo.in_flight = 6
         if arg.spo:
             c.batch_tasks = 4
+    if arg.server:
+        # Weights reach the sampler through exports and reloads, as with SGLang; the
+        # ratio uses the learner's old log-probs, with TIS against the sampler's.
+        c.engine.kind = "sglang"
+        c.engine.sglang.update(launch=True, ports=(31000,), host_gpus=0, command=SERVER_COMMAND,
+                               export_dtype="float32", health_timeout_s=300.0)
+        c.learner.loss.old_logprobs, c.learner.loss.tis_cap = "learner", 2.0
     if arg.steps:
         c.total_steps = arg.steps
     return common.lock(c)

@@ -276,8 +276,8 @@ class SGLangClient(Engine):
         hf_io.save_hf(params, self.model_config, path, dtype=self.export_dtype)
         seconds = time.perf_counter() - t0
         size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
-        log.info("weights v%d exported (%s) to %s: %.3f GB in %.2f s", version,
-                 self.export_dtype, path, size / 1e9, seconds)
+        log.info("weights v%d exported (%s) to %s: %.1f MB in %.2f s", version,
+                 self.export_dtype, path, size / 2**20, seconds)
         return path, {"sync/export_s": seconds, "sync/export_bytes": float(size)}
 
     def _prune(self) -> None:
@@ -661,12 +661,16 @@ def placement(config) -> dict[str, Any]:
 
     Launched servers take the last `len(ports) * tp_size` of `host_gpus` GPUs, server
     i the i-th group of `tp_size`; the learner's JAX devices are the rest. Servers at
-    `urls` run elsewhere and the learner keeps every GPU.
+    `urls` run elsewhere and the learner keeps every GPU; `host_gpus` 0 places nothing
+    (servers and learner on CPUs).
     """
     sg = config.engine.sglang
     total = int(sg.host_gpus)
     if config.engine.kind != "sglang" or sg.urls or not sg.launch:
         return {"host_gpus": total, "learner_gpus": list(range(total)), "servers": []}
+    if total == 0:  # servers on CPUs (inference.server): nothing to place
+        return {"host_gpus": 0, "learner_gpus": [],
+                "servers": [{"port": int(port), "gpus": []} for port in sg.ports]}
     tp, n = int(sg.tp_size), len(sg.ports)
     first = total - n * tp
     if first < 1:
@@ -685,7 +689,7 @@ def restrict_learner_devices(config) -> list[int]:
 
     gpus = placement(config)["learner_gpus"]
     if config.engine.kind == "sglang" and config.engine.sglang.launch \
-            and not config.engine.sglang.urls:
+            and not config.engine.sglang.urls and config.engine.sglang.host_gpus:
         jax.config.update("jax_cuda_visible_devices", ",".join(map(str, gpus)))
     return gpus
 

@@ -35,8 +35,8 @@ from aiohttp import web
 VOCAB = 1000
 
 
-def next_token(context: list[int]) -> int:
-    return (sum(context) * 31 + len(context)) % VOCAB
+def next_token(context: list[int], vocab: int = VOCAB) -> int:
+    return (sum(context) * 31 + len(context)) % vocab
 
 
 def token_logprob(token: int) -> float:
@@ -48,10 +48,11 @@ class StubSGLang:
 
     def __init__(self, *, version: str = "0.5.3", context_length: int = 4096,
                  deterministic: bool = True, token_s: float = 0.002, load_s: float = 0.05,
-                 nan_token: int = 999, error_style: str = "object"):
+                 nan_token: int = 999, error_style: str = "object", vocab: int = VOCAB):
         self.version, self.context_length = version, context_length
         self.deterministic, self.token_s, self.load_s = deterministic, token_s, load_s
-        self.nan_token, self.error_style = nan_token, error_style
+        self.nan_token, self.error_style, self.vocab = nan_token, error_style, vocab
+        self.prompt_lengths: list[int] = []  # input length of every /generate
         self.weight_version, self.model_path = "default", "init"
         self.reloads: list[str] = []  # model_path of every reload, in order
         self.reload_overlaps = 0  # token steps taken while a reload ran (must stay 0)
@@ -133,6 +134,7 @@ class StubSGLang:
             return self._bad_request("SamplingParams.__init__() got an unexpected keyword "
                                      "argument 'sampling_seed'")
         max_new = int(params.get("max_new_tokens", 128))
+        self.prompt_lengths.append(len(ids))
         if len(ids) >= self.context_length:
             return self._bad_request(f"The input ({len(ids)} tokens) is longer than the "
                                      f"model's context length ({self.context_length} tokens).")
@@ -177,7 +179,7 @@ class StubSGLang:
             await asyncio.sleep(self.token_s)
             if self._reloading and not self._paused:
                 self.reload_overlaps += 1
-            token = next_token(ids + out)
+            token = next_token(ids + out, self.vocab)
             out.append(token)
             if token in stops:
                 return out, {"type": "stop", "matched": token}

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from inference.embedded import EmbeddedEngine
-from inference.engine import EngineError, GenerateRequest
+from inference.engine import ContextLengthError, EngineError, GenerateRequest
 from inference.sglang import (
     LauncherConfig,
     SGLangClient,
@@ -224,6 +224,58 @@ def test_from_config(servers):
     config.rollout.max_context = 64  # the servers take 32 tokens
     with pytest.raises(EngineError, match="at most 32 tokens"):
         from_config(config, "/tmp", model_config=CFG)
+
+
+def test_sglang_protocol_pause_info_limits_and_range_checks(servers):
+    """The routes a GPU pod's SGLang has, on the project's server: server info, prompt-only
+    requests, SGLang's context refusal, per-request range checks, pause / continue."""
+    url = servers[1].url
+
+    async def go():
+        async with aiohttp.ClientSession() as http:
+            async def generate(ids, **sampling):
+                async with http.post(url + "/generate", json={
+                        "input_ids": ids, "sampling_params": sampling}) as r:
+                    return r.status, await r.json()
+
+            async with http.get(url + "/get_server_info") as r:
+                info = await r.json()
+            assert info["version"] == "0.5.3" and info["context_length"] == 32
+            assert info["enable_deterministic_inference"] is True
+            status, body = await generate([1, 2, 3], max_new_tokens=0)
+            assert status == 200 and body["output_ids"] == []
+            assert body["meta_info"]["finish_reason"]["type"] == "length"
+            status, body = await generate(list(range(1, 29)), max_new_tokens=8)
+            assert status == 400
+            assert "maximum context length of 32 tokens" in body["error"]["message"]
+            # Bad seeds and stop ids fail alone; a good request sent with them is served.
+            outcomes = await asyncio.gather(
+                generate([5, 6], max_new_tokens=4, sampling_seed=-1),
+                generate([5, 6], max_new_tokens=4, stop_token_ids=[384]),
+                generate([5, 6], max_new_tokens=4, sampling_seed=2**32),
+                generate([5, 6], max_new_tokens=4, sampling_seed=7))
+            assert [s for s, _ in outcomes] == [400, 400, 400, 200]
+            assert "sampling_seed" in outcomes[0][1]["error"]["message"]
+            assert "[384]" in outcomes[1][1]["error"]["message"]
+            # Paused: a new request waits until generation continues.
+            async with http.post(url + "/pause_generation", json={"mode": "retract"}) as r:
+                assert r.status == 200
+            waiting = asyncio.create_task(generate([5, 6], max_new_tokens=4))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()
+            async with http.post(url + "/continue_generation", json={}) as r:
+                assert r.status == 200
+            status, body = await waiting
+            assert status == 200 and len(body["output_ids"]) == 4
+
+    run(go())
+
+    async def overflow():
+        async with SGLangClient([url]) as client:
+            await client.generate([GenerateRequest(list(range(1, 29)), 8)])
+
+    with pytest.raises(ContextLengthError, match="maximum context length of 32"):
+        run(overflow())
 
 
 def test_no_server_up_names_every_url():

@@ -12,6 +12,7 @@ from configs.common import apply_overrides, load_config
 from inference import sglang
 from inference.engine import BrokenSampleError, ContextLengthError, EngineError, GenerateRequest
 from models.qwen3 import Qwen3, Qwen3Config
+from models.tokenizer import train_bpe
 from tests.sglang_stub import StubSGLang, next_token, token_logprob
 
 RECIPES = ["configs/grpo_swe.py", "configs/ps_qwen3_14b_swe.py", "configs/ps_qwen3_32b_swe.py",
@@ -264,3 +265,38 @@ def test_dry_run_refuses_context_above_the_models_limit():
     with pytest.raises(ValueError, match=r"max_context \(65536\) exceeds the model's context "
                                          r"limit \(40960"):
         setup.dry_run(config)
+
+
+def test_context_overflow_truncates_the_trajectory_and_the_run_goes_on():
+    """A server whose context is shorter than rollout.max_context: the turn that would
+    overflow ends its trajectory "truncated"; the other rollouts are unaffected."""
+    from env import miniswe
+    from env.episode import sandbox_factory
+    from rl import setup
+    from rl.rollout import Agent, RolloutConfig, RolloutJob, collect_groups
+
+    tasks = miniswe.generate_tasks(2, seed=7, difficulties=(0,))
+    tokenizer = train_bpe(setup.tokenizer_corpus(tasks), 400)
+    factory = sandbox_factory("local")
+    cfg = RolloutConfig(max_steps=3, max_turn_tokens=16, max_response_tokens=200,
+                        max_context=4096, test_timeout_s=30.0)
+
+    async def body(stubs):
+        client = sglang.SGLangClient([stubs[0].url])
+        agent = Agent(client, tokenizer, factory, cfg, max_concurrent_envs=2,
+                      tools_in_prompt=False)
+        try:
+            groups = await collect_groups(agent, [RolloutJob(t) for t in tasks], 1)
+        finally:
+            agent.close()
+            await client.aclose()
+        return [g[0] for g in groups], stubs[0].prompt_lengths
+
+    full, lengths = run(with_stubs(1, body, vocab=400, token_s=0.0))
+    assert all(t.status == "max_steps" and len(t.turns) == 3 for t in full)
+    # Room for the first turns only: each second turn overflows.
+    second = sorted(lengths)[len(tasks)]
+    short, _ = run(with_stubs(1, body, vocab=400, token_s=0.0, context_length=second + 8))
+    assert [t.status for t in short] == ["truncated"] * len(tasks)
+    assert all(len(t.turns) == 1 and t.reward is not None for t in short)
+    assert all(t.turns[0].policy_version == 0 for t in short)
