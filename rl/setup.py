@@ -218,7 +218,8 @@ def expert_actions_text(calls: Sequence[dict[str, Any]] | miniswe.Demo) -> list[
 
 async def demonstrations(config, agent: Agent, train: Sequence[Task]) -> list[Trajectory]:
     """Scripted expert demonstrations on training tasks, a share of them imperfect,
-    rendered through the agent's own loop (identical token layout)."""
+    rendered through the agent's own loop (identical token layout); over several
+    processes each renders its share and all get every demonstration."""
     rng = random.Random(config.seed)
     chosen = TaskSampler(train, seed=config.seed).next(config.sft.num_demos)
     scripts = []
@@ -232,7 +233,10 @@ async def demonstrations(config, agent: Agent, train: Sequence[Task]) -> list[Tr
             bar.update(1)
             return traj
 
-        demos = await asyncio.gather(*(one(t, a) for t, a in scripts))
+        async def render(mine):
+            return await asyncio.gather(*(one(t, a) for t, a in mine))
+
+        demos = await distributed.gather_map(render, scripts)
     return [d for d in demos if not d.is_env_error and d.num_generated_tokens]
 
 
