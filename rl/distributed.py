@@ -12,24 +12,31 @@ The design, and why:
   whole batch in job order, exactly as one process would. A whole gather is needed
   anyway: Prefix Sampling builds prefix tasks from any group's rare success or
   failure, and SPO's tracker stores every response. Token arrays are small next to
-  a step's rollouts: 512 trajectories of 16k tokens are ~75 MB, gathered in well
-  under a second over the data-centre network against minutes of rollouts.
-- Host state (task sampler, PS queue and controller, SPO tracker, NumPy RNG) is
-  replicated deterministically: every host starts from the same seed (or reads the
-  same checkpoint) and applies the same updates to the same gathered trajectories.
-  `check_consistent` compares a digest of it across processes at every checkpoint,
-  so a divergence is an error naming the step rather than silent drift.
+  a step's rollouts: 512 trajectories of 16k tokens pickle to under 100 MB, gathered
+  in about a second over the data-centre network against minutes of rollouts (the
+  gather runs on the devices: each holds the whole step's bytes for its duration).
+- Host state (the algorithm's state_dict: task sampler, PS queue and controller,
+  NumPy RNG) is replicated deterministically: every host starts from the same seed
+  (or reads the same checkpoint) and applies the same updates to the same gathered
+  trajectories. `check_consistent` compares a digest of it across processes at
+  every checkpoint, so a divergence is an error naming the step, not silent drift.
 - Every host packs the same batch (identical row layout to one process, so losses
   match it) and `jax.device_put` onto the mesh's data sharding copies only the rows
   of its own devices: with a host-identical NumPy value it is the
-  `make_array_from_callback` of each host's addressable shards.
-- Held-out evaluation is split and gathered the same way; process 0 writes files and
-  metrics; every process calls the Orbax checkpointer (it writes each array shard
-  from the host that holds it, and the host-state JSON once, from process 0).
+  `make_array_from_callback` of each host's addressable shards. (Contributing only
+  its own rollouts' rows through `make_array_from_process_local_data` would save the
+  gather of token arrays but not the gather host state needs, and would pack rows
+  differently from one process.)
+- Held-out evaluation and the warm start's demonstrations are split and gathered the
+  same way; process 0 writes files and metrics; every process calls the Orbax
+  checkpointer (it writes each array shard from the host that holds it, and the
+  host-state JSON once, from process 0).
 - Weight sync gathers the parameters one leaf at a time into host memory (one
   parameter in device memory at a time): an embedded engine of each host loads them
   there; SGLang servers shared by all hosts get one export and one update per
   version, from process 0, and the others wait at a barrier.
+- algo='spo' is refused over several processes: its stream collector draws the next
+  prompts as rollouts finish, an order that differs from host to host.
 """
 
 from __future__ import annotations
