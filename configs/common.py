@@ -131,6 +131,21 @@ def sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
 # ------------------------------------------------------------------ shared sections
 
 
+def sandbox_defaults() -> dict[str, Any]:
+    """The sandbox keys of the `env` section.
+
+    docker_hosts: Docker engines the sandboxes spread over (DOCKER_HOST-style URLs:
+      unix://, tcp://, ssh://); empty: $DOCKER_HOST. Each sandbox goes to the engine
+      with the most free slots; one that stops answering is left out until it answers
+      again (env.sandbox.fleet).
+    docker_slots: live sandboxes per engine; 0: env.max_concurrent.
+    local_allow_unisolated: let the local backend run commands unisolated (with the
+      trainer's rights) where it cannot isolate them (no root, no namespaces); by
+      default it refuses to start there.
+    """
+    return dict(docker_hosts=(), docker_slots=0, local_allow_unisolated=False)
+
+
 def sglang_defaults() -> dict[str, Any]:
     """The `engine.sglang` section: client of running servers, or servers to launch.
 
@@ -266,6 +281,7 @@ RANGES: dict[str, str] = {
     "engine.sglang.export_keep": "[1, inf)",
     "env.train_tasks": "[0, inf)", "env.eval_tasks": "[0, inf)", "env.difficulties": "[0, 2]",
     "env.task_seed": "[0, inf)", "env.eval_seed": "[0, inf)", "env.max_concurrent": "[1, inf)",
+    "env.docker_slots": "[0, inf)",
     # The RL sampler's temperature divides the learner's logits: 0 (greedy) is refused.
     "rollout.temperature": "(0, inf)", "rollout.top_p": "(0, 1]", "rollout.top_k": "[1, inf) | -1",
     "rollout.max_steps": "[1, inf)", "rollout.max_turn_tokens": "[1, inf)",

@@ -50,7 +50,8 @@ def get_config(arg=None, options=OPTIONS):
                  # SWE-bench rows without an image: "" = the published SWE-bench images
                  # (env.swebench.SWEBENCH_IMAGE_TEMPLATE); fields {instance_id},
                  # {instance_id_lower}, {instance_id_1776}.
-                 image_template="")
+                 image_template="",
+                 **common.sandbox_defaults())
 
     # Qwen3 checkpoints allow 40,960 positions (max_position_embeddings).
     c.rollout = dict(max_steps=50, max_turn_tokens=4096, max_response_tokens=32768,

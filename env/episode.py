@@ -69,6 +69,22 @@ def sandbox_factory(backend: str, **defaults: Any) -> SandboxFactory:
     return lambda task: make_sandbox(backend, **{**defaults, **sandbox_spec(task, backend)})
 
 
+class FleetFactory:
+    """task -> a new Docker sandbox holding the task's repository, on the engine of a
+    fleet with the most free slots (env.sandbox.fleet); `close()` closes the fleet."""
+
+    def __init__(self, hosts: list[str], slots_per_engine: int, **defaults: Any):
+        from env.sandbox.fleet import DockerFleet
+
+        self.fleet = DockerFleet(hosts, slots_per_engine, **defaults)
+
+    def __call__(self, task: Task) -> Sandbox:
+        return self.fleet.create(**sandbox_spec(task, "docker"))
+
+    def close(self) -> None:
+        self.fleet.close()
+
+
 @dataclasses.dataclass
 class StepRecord:
     """One step: the parsed call (None when the action did not parse), the observation,

@@ -262,6 +262,12 @@ def number_lines(lines: list[str], start: int = 1) -> str:
     return "\n".join(f"{i:6d}\t{line}" for i, line in enumerate(lines, start))
 
 
+def _not_an_option(rel: str) -> str:
+    """`rel` spelled so that no command reads it as an option (`find` takes no `--`):
+    a directory named `-delete` must be listed, not run."""
+    return f"./{rel}" if rel.startswith("-") else rel
+
+
 class ToolBox:
     """Executes tool calls for one episode; remembers edits so undo_edit can revert them."""
 
@@ -322,13 +328,18 @@ class ToolBox:
                                timeout=10)
         return res.exit_code == 0
 
-    def _read(self, rel: str, allow_dir: bool = False) -> str | None:
+    def _read(self, rel: str, allow_dir: bool = False, for_edit: bool = False) -> str | None:
         """The text of a regular file (None for a directory when `allow_dir`);
-        ToolCallError when missing or not readable."""
+        ToolCallError when missing or not readable, and, `for_edit`, when it is not
+        UTF-8: rewriting its text would change bytes the edit never named."""
         try:
             if rel == ".":
                 raise IsADirectoryError(rel)
-            return self.sandbox.read_file(rel)
+            return self.sandbox.read_file(rel, errors="strict" if for_edit else "replace")
+        except UnicodeDecodeError as e:
+            raise ToolCallError(
+                f"ERROR: {rel} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                f"{e.start}); file_editor edits only UTF-8 files. No change made.") from None
         except FileNotFoundError:
             raise ToolCallError(f"ERROR: {rel} does not exist.") from None
         except IsADirectoryError:
@@ -368,7 +379,7 @@ class ToolBox:
         rel = self.resolve(path)
         res = self.sandbox.run(
             "grep -rnIF --exclude-dir=.git --exclude-dir=__pycache__ -- "
-            f"{shlex.quote(search_term)} {shlex.quote(rel)}", timeout=30)
+            f"{shlex.quote(search_term)} {shlex.quote(_not_an_option(rel))}", timeout=30)
         if res.exit_code == 2 and "No such file" in res.output:
             raise ToolCallError(f"ERROR: {rel} does not exist.")
         lines = [ln[2:] if ln.startswith("./") else ln for ln in res.output.splitlines()]
@@ -423,7 +434,7 @@ class ToolBox:
         if view_range is not None:
             raise ToolCallError("ERROR: view_range cannot be used on a directory.")
         res = self.sandbox.run(
-            f"find {shlex.quote(rel)} -maxdepth 2 -not -path '*/.*' "
+            f"find {shlex.quote(_not_an_option(rel))} -maxdepth 2 -not -path '*/.*' "
             "-not -path '*__pycache__*' | sort", timeout=10)
         entries = [ln[2:] if ln.startswith("./") else ln for ln in res.output.splitlines()]
         listing = "\n".join(e for e in entries if e and e != ".")
@@ -438,7 +449,7 @@ class ToolBox:
         return ToolResult(f"Created {rel}.", changed=True)
 
     def _str_replace(self, rel: str, old_str: str, new_str: str) -> ToolResult:
-        text = self._read(rel)
+        text = self._read(rel, for_edit=True)
         if not old_str:
             raise ToolCallError("ERROR: old_str is empty.")
         count = text.count(old_str)
@@ -455,7 +466,7 @@ class ToolBox:
                             first + new_str.count("\n"))
 
     def _insert(self, rel: str, insert_line: int, new_str: str) -> ToolResult:
-        text = self._read(rel)
+        text = self._read(rel, for_edit=True)
         lines = text.split("\n")
         trailing = lines[-1] == ""
         if trailing:

@@ -196,12 +196,19 @@ def sandbox_factory(env_cfg) -> Callable[[Task], Any]:
     if env_cfg.backend not in ("local", "docker"):
         raise ValueError(f"env.backend must be 'local' or 'docker', got {env_cfg.backend!r}")
     defaults = {"image": env_cfg.image} if env_cfg.backend == "docker" and env_cfg.image else {}
+    if env_cfg.backend == "docker":  # on every engine named (removing exited runs' containers)
+        from env.episode import FleetFactory
+        from env.sandbox.docker import docker_host
+
+        return FleetFactory(list(env_cfg.docker_hosts) or [docker_host()],
+                            env_cfg.docker_slots or env_cfg.max_concurrent, **defaults)
     if env_cfg.backend == "local":
         from env.sandbox import local
 
         stale = local.reap_stale()
         if stale:
             log.info("removed %d sandbox directories of exited processes", len(stale))
+        defaults["allow_unisolated"] = env_cfg.local_allow_unisolated
     return factory(env_cfg.backend, **defaults)
 
 

@@ -61,7 +61,8 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def factory():
-    return setup.sandbox_factory(type("E", (), {"backend": "local", "image": ""})())
+    return setup.sandbox_factory(type("E", (), {"backend": "local", "image": "",
+                                                "local_allow_unisolated": False})())
 
 
 def make_agent(model, tokenizer, factory, **cfg):

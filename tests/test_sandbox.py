@@ -72,7 +72,8 @@ def make(request):
 
 
 def host_processes(marker: str, exact: bool = False) -> list[int]:
-    """Host pids whose command line contains `marker` (zombies have none).
+    """Host pids whose command line (arguments joined by spaces) contains `marker`
+    (zombies have none).
 
     exact: only processes whose argv is `marker.split()` (not the shells that run it).
     """
@@ -85,7 +86,7 @@ def host_processes(marker: str, exact: bool = False) -> list[int]:
             except OSError:
                 continue
             if (cmdline.rstrip(b"\0").split(b"\0") == marker.encode().split() if exact
-                    else marker.encode() in cmdline):
+                    else marker.encode() in cmdline.replace(b"\0", b" ")):
                 found.append(int(name))
     return found
 

@@ -268,3 +268,43 @@ def test_toolbox_never_raises_on_garbage(tools):
                  call("x" * 10_000), call("file_editor", command="v" * 10_000, path="a")]:
         result = tools(text)
         assert result.observation.startswith("ERROR: ") and not result.done
+
+
+def test_a_path_never_acts_as_an_option(tools):
+    tools.sandbox.run("mkdir -- -delete && echo 'needle = 1' > -delete/a.py")
+    listing = run(tools, "file_editor", command="view", path="-delete").observation
+    assert listing == "Files in -delete (depth 2):\n-delete\n-delete/a.py"
+    found = run(tools, "search", search_term="needle", path="-delete").observation
+    assert found == '1 matches for "needle" in -delete:\n-delete/a.py:1:needle = 1'
+    assert tools.sandbox.run("test -d .git && ls -- calc.py -delete/a.py").exit_code == 0
+
+
+def test_edits_follow_links_inside_the_repo_and_refuse_links_out(tools):
+    sb = tools.sandbox
+    sb.run("ln -s calc.py link.py && mkdir -p ../outside && echo 'out = 1' > ../outside/x.py"
+           " && ln -s ../outside/x.py out.py && chmod 755 calc.py")
+    edited = run(tools, "file_editor", command="str_replace", path="link.py",
+                 old_str="return a - b\n\n\ndef sub", new_str="return a + b\n\n\ndef sub")
+    assert edited.observation.startswith("Edited link.py.")
+    assert sb.read_file("calc.py").startswith("def add(a, b):\n    return a + b\n")
+    assert sb.run("test -L link.py && stat -c %a calc.py").output.strip() == "755"
+    refused = run(tools, "file_editor", command="str_replace", path="out.py",
+                  old_str="out = 1", new_str="out = 2").observation
+    assert refused.startswith("ERROR: out.py is a symbolic link to ") and "outside the " \
+        "repository; not edited" in refused
+    assert run(tools, "file_editor", command="insert", path="out.py", insert_line=0,
+               new_str="x").observation == refused
+    assert sb.run("cat ../outside/x.py; test -L out.py").output == "out = 1\n"
+
+
+def test_edits_of_non_utf8_files_are_refused_and_leave_every_byte(tools):
+    sb = tools.sandbox
+    sb.run(r"printf 'a = 1\n# caf\xe9\n' > latin1.py")
+    before = sb.run("sha256sum latin1.py").output
+    for call in [dict(command="str_replace", path="latin1.py", old_str="a = 1", new_str="a = 2"),
+                 dict(command="insert", path="latin1.py", insert_line=0, new_str="b = 0")]:
+        observation = run(tools, "file_editor", **call).observation
+        assert observation == ("ERROR: latin1.py is not UTF-8 text (byte 0xe9 at offset 11); "
+                               "file_editor edits only UTF-8 files. No change made.")
+    assert sb.run("sha256sum latin1.py").output == before
+    assert "caf\ufffd" in run(tools, "file_editor", command="view", path="latin1.py").observation

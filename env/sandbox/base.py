@@ -11,9 +11,18 @@ from __future__ import annotations
 import abc
 import dataclasses
 
+# Default cap on a patch: each step's patch is kept in the history, the Prefix Sampling
+# queue and checkpoints; real fixes are kilobytes.
+MAX_PATCH_BYTES = 1 << 20
+
 
 class SandboxError(RuntimeError):
     """The sandbox infrastructure failed; the episode result is not a task outcome."""
+
+
+class PatchTooLarge(SandboxError):
+    """The working tree's patch exceeds the sandbox's cap: the step cannot be recorded
+    (nor replayed), so the episode cannot go on; only cap + 1 bytes were read."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,8 +47,9 @@ class Sandbox(abc.ABC):
         """
 
     @abc.abstractmethod
-    def read_file(self, path: str) -> str:
-        """Reads a text file (relative to the repository root), decoded with errors="replace".
+    def read_file(self, path: str, errors: str = "replace") -> str:
+        """Reads a text file (relative to the repository root), decoded from UTF-8 with
+        `errors` ("strict": UnicodeDecodeError for bytes that are not UTF-8).
 
         Raises FileNotFoundError if it is missing and ValueError for a path that is absolute
         or leaves the repository.
@@ -47,12 +57,14 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     def write_file(self, path: str, content: str) -> None:
-        """Writes a text file, creating parent directories."""
+        """Writes a text file, creating parent directories. A symbolic link on the way is
+        followed when it leads to a path inside the repository (the link stays a link);
+        one leading out raises ValueError and nothing is written."""
 
     @abc.abstractmethod
     def patch(self) -> str:
         """The `git diff` of the working tree against the task's base commit
-        (binary-safe, including untracked files)."""
+        (binary-safe, including untracked files). PatchTooLarge past the backend's cap."""
 
     @abc.abstractmethod
     def apply_patch(self, patch: str) -> None:

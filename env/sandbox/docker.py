@@ -18,22 +18,26 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import posixpath
 import select
 import struct
 import tarfile
 import time
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 
 import docker
 import docker.errors
 import requests.exceptions
 
-from env.sandbox import base
+from env.sandbox import base, shell
 from env.sandbox.local import EXEC_ENV
 from env.sandbox.output import CappedOutput
 from env.sandbox.paths import repo_relative
+
+log = logging.getLogger(__name__)
 
 LABEL = "swe-rl.sandbox"
 HOST_GRACE_S = 30.0
@@ -41,10 +45,19 @@ PID1 = ["bash", "-c", "trap '' CHLD; exec sleep infinity"]
 # $1 = timeout seconds, $2 = command. The command's stderr joins its stdout in one pipe,
 # so their order is kept; the wrapper's own stderr (bash's "Killed" job notices, kill's
 # complaints) goes to /dev/null.
+# $3 = the largest file a command may write, in KiB (bash's unit for ulimit -f).
 RUN_WRAPPER = (
-    'exec 2>/dev/null; timeout -s KILL "$1" bash -c "$2" 2>&1; rc=$?; '
+    'exec 2>/dev/null; ulimit -f "$3"; timeout -s KILL "$1" bash -c "$2" 2>&1; rc=$?; '
     "kill -9 -1; kill -9 -1; exit $rc"
 )
+# A command longer than this goes into the container as a file (execve caps one
+# argument at 128 KiB), which bash reads back and evaluates.
+ARGV_COMMAND_BYTES = 64 << 10
+COMMAND_FILE = "/tmp/.sandbox.command"
+FROM_FILE = f'eval "$(cat {COMMAND_FILE}; rm -f {COMMAND_FILE})"'
+# Clients of engines whose storage driver takes no per-container size (overlay2 off
+# xfs with pquota).
+_NO_SIZE_OPTION: weakref.WeakSet[docker.DockerClient] = weakref.WeakSet()
 GIT = "git -c safe.directory=* -c user.name=sandbox -c user.email=sandbox@localhost"
 GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 PATCH_FILE = "/tmp/.sandbox.patch"
@@ -70,8 +83,9 @@ def docker_host() -> str:
 
 
 @contextlib.contextmanager
-def docker_errors(what: str) -> Iterator[None]:
-    """Turns every Docker SDK / transport failure inside the block into SandboxError."""
+def docker_errors(what: str, engine: str | None = None) -> Iterator[None]:
+    """Turns every Docker SDK / transport failure inside the block into SandboxError
+    (naming `engine`, default $DOCKER_HOST's, when it did not answer)."""
     try:
         yield
     except docker.errors.ImageNotFound as e:
@@ -81,7 +95,8 @@ def docker_errors(what: str) -> Iterator[None]:
     except docker.errors.APIError as e:
         raise base.SandboxError(f"{what}: docker engine error: {e.explanation or e}") from e
     except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as e:
-        raise base.SandboxError(f"{what}: docker engine at {docker_host()} failed: {e}") from e
+        raise base.SandboxError(f"{what}: docker engine at {engine or docker_host()} failed: "
+                                f"{e}") from e
 
 
 def connect(timeout: float = 60.0) -> docker.DockerClient:
@@ -106,10 +121,10 @@ def remove_containers(labels: Mapping[str, str], client: docker.DockerClient | N
 
 
 def _remove_container(client: docker.DockerClient, container_id: str,
-                      wait_s: float = 30.0) -> None:
+                      wait_s: float = 30.0, engine: str | None = None) -> None:
     """Force-removes a container; also waits out a removal another thread started."""
     deadline = time.monotonic() + wait_s
-    with docker_errors(f"removing container {container_id[:12]}"):
+    with docker_errors(f"removing container {container_id[:12]}", engine):
         try:
             client.api.remove_container(container_id, force=True, v=True)
             return
@@ -140,8 +155,14 @@ class DockerSandbox(base.Sandbox):
       nano_cpus: CPU quota in 1e-9 CPUs.
       pids_limit: maximum number of processes in the container.
       max_output_bytes: cap on the output kept per `run` (head and tail halves).
+      max_patch_bytes: cap on `patch()` (PatchTooLarge beyond it).
+      file_size_bytes: the largest file a command may write ("File size limit exceeded").
+      disk_bytes: cap on the container's writable layer, where the storage driver allows.
       labels: extra container labels (LABEL=1 is always set).
       client: docker client (default: `connect()`).
+      on_close: called once when the sandbox is closed, with the SandboxError of a failed
+        removal or None (a fleet frees the engine's slot, or marks a silent engine down).
+      engine: the engine's name in logs (default: the client's base URL).
       env_setup: shell run before every `run` command: the image's environment
         activation (official images activate theirs only in an interactive `.bashrc`).
     """
@@ -156,8 +177,13 @@ class DockerSandbox(base.Sandbox):
         nano_cpus: int = 2_000_000_000,
         pids_limit: int = 256,
         max_output_bytes: int = 1 << 20,
+        max_patch_bytes: int = base.MAX_PATCH_BYTES,
+        file_size_bytes: int = 256 << 20,
+        disk_bytes: int | None = 4 << 30,
         labels: Mapping[str, str] | None = None,
         client: docker.DockerClient | None = None,
+        on_close: Callable[[Exception | None], object] | None = None,
+        engine: str = "",
         env_setup: str = "",
     ):
         if not posixpath.isabs(workdir):
@@ -166,17 +192,23 @@ class DockerSandbox(base.Sandbox):
             raise ValueError("base_commit cannot be combined with repo_files (new history)")
         self.workdir = workdir
         self.max_output_bytes = max_output_bytes
+        self.max_patch_bytes = max_patch_bytes
+        self.file_size_bytes = file_size_bytes
         self.env_setup = env_setup
         self.container_id: str | None = None
+        # Set (to the reason) when the engine is known to be down: every later call fails
+        # at once instead of waiting on an engine that does not answer.
+        self.lost = ""
+        self._on_close = on_close
         self._client = client or connect()
-        with docker_errors(f"creating a container from {image}"):
-            container = self._client.containers.create(
-                image, PID1, detach=True, network_mode="none", mem_limit=mem_limit,
-                memswap_limit=mem_limit, nano_cpus=nano_cpus, pids_limit=pids_limit,
-                labels={LABEL: "1", **(labels or {})})
+        self.engine = engine or self._client.api.base_url  # (for logs and metrics)
+        options = dict(detach=True, network_mode="none", mem_limit=mem_limit,
+                       memswap_limit=mem_limit, nano_cpus=nano_cpus, pids_limit=pids_limit,
+                       labels={LABEL: "1", **(labels or {})})
+        container = self._create(image, options, disk_bytes)
         self.container_id = container.id
         try:
-            with docker_errors("starting the container"):
+            with docker_errors("starting the container", self.engine):
                 container.start()
             if repo_files is not None:  # tar extraction creates the missing directories
                 root = workdir.strip("/")
@@ -188,6 +220,24 @@ class DockerSandbox(base.Sandbox):
             raise
 
     # -- setup ------------------------------------------------------------------------
+
+    def _create(self, image: str, options: dict, disk_bytes: int | None):
+        """The container, its writable layer capped at `disk_bytes` where the engine's
+        storage driver can (overlay2 on xfs with pquota, btrfs, zfs); elsewhere only the
+        per-file cap holds, which is logged once per engine."""
+        if disk_bytes and self._client not in _NO_SIZE_OPTION:
+            try:
+                with docker_errors(f"creating a container from {image}", self.engine):
+                    return self._client.containers.create(
+                        image, PID1, storage_opt={"size": str(disk_bytes)}, **options)
+            except base.SandboxError as e:
+                if "storage-opt" not in str(e) and "storage_opt" not in str(e):
+                    raise
+                _NO_SIZE_OPTION.add(self._client)
+                log.warning("docker engine %s cannot cap a container's disk use (%s); only "
+                            "the per-file size limit bounds it", self.engine, e)
+        with docker_errors(f"creating a container from {image}", self.engine):
+            return self._client.containers.create(image, PID1, **options)
 
     def _init_git(self, base_commit: str | None, mkdir: bool) -> str:
         """Commits a workdir that is no git repository as the base, checks out the base
@@ -223,10 +273,12 @@ class DockerSandbox(base.Sandbox):
         """
         if self.container_id is None:
             raise base.SandboxError("sandbox is closed")
+        if self.lost:
+            raise base.SandboxError(self.lost)
         api = self._client.api
         out = CappedOutput(cap) if cap is not None else bytearray()
         err = bytearray()
-        with docker_errors("running a command in the container"):
+        with docker_errors("running a command in the container", self.engine):
             exec_id = api.exec_create(self.container_id, argv, workdir=cwd or self.workdir,
                                       environment=EXEC_ENV)["Id"]
             sock = api.exec_start(exec_id, socket=True)
@@ -260,8 +312,9 @@ class DockerSandbox(base.Sandbox):
         except base.SandboxError:
             return False
 
-    def _sh(self, script: str, what: str, cwd: str | None = None) -> bytes:
-        code, out, err = self._exec(["bash", "-c", script], 120, cwd=cwd)
+    def _sh(self, script: str, what: str, cwd: str | None = None,
+            args: list[str] = ()) -> bytes:
+        code, out, err = self._exec(["bash", "-c", script, "sh", *args], 120, cwd=cwd)
         if code != 0:
             raise base.SandboxError(f"{what} failed (exit {code}): {_text(err)}")
         return bytes(out)
@@ -273,7 +326,7 @@ class DockerSandbox(base.Sandbox):
                 info = tarfile.TarInfo(path)
                 info.size, info.mode, info.mtime = len(data), mode, int(time.time())
                 tar.addfile(info, io.BytesIO(data))
-        with docker_errors("copying files into the container"):
+        with docker_errors("copying files into the container", self.engine):
             ok = self._client.api.put_archive(self.container_id, directory, buf.getvalue())
         if not ok:
             raise base.SandboxError(f"copying files into {directory} failed")
@@ -282,7 +335,13 @@ class DockerSandbox(base.Sandbox):
         """Runs `bash -c cmd` in `workdir`; see the module docstring for limits and cleanup."""
         start = time.monotonic()
         cmd = f"{self.env_setup}\n{cmd}" if self.env_setup else cmd
-        code, out, _ = self._exec(["bash", "-c", RUN_WRAPPER, "sandbox", f"{timeout:g}", cmd],
+        data = cmd.encode("utf-8", "surrogateescape")
+        if len(data) > ARGV_COMMAND_BYTES:
+            directory, name = posixpath.split(COMMAND_FILE)
+            self._put_files(directory, {name: data})
+            cmd = FROM_FILE
+        code, out, _ = self._exec(["bash", "-c", RUN_WRAPPER, "sandbox", f"{timeout:g}", cmd,
+                                   str(self.file_size_bytes >> 10)],
                                   timeout, cap=self.max_output_bytes)
         # `timeout -s KILL` exits 137 (bash: 128 + SIGKILL); an OOM kill exits 137 too,
         # but long before the deadline.
@@ -290,7 +349,7 @@ class DockerSandbox(base.Sandbox):
         return base.ExecResult(exit_code=-1 if timed_out else code, output=out.text(),
                                timed_out=timed_out, truncated=out.truncated)
 
-    def read_file(self, path: str) -> str:
+    def read_file(self, path: str, errors: str = "replace") -> str:
         path = repo_relative(path)
         code, out, err = self._exec(["cat", "--", path], 120)
         if code != 0:
@@ -299,26 +358,35 @@ class DockerSandbox(base.Sandbox):
             if b"Is a directory" in err:
                 raise IsADirectoryError(f"{path} is a directory")
             raise OSError(f"{path}: {_text(err)}")
-        return out.decode("utf-8", errors="replace")
+        return out.decode("utf-8", errors=errors)
 
     def write_file(self, path: str, content: str) -> None:
         path = repo_relative(path)
-        parent, name = posixpath.split(posixpath.join(self.workdir, path))
-        # Keep the mode of a file being overwritten (an executable script stays executable).
-        code, out, err = self._exec(["bash", "-c", 'mkdir -p -- "$1" && { stat -c %a -- "$2" '
-                                     "2>/dev/null || echo 644; }", "w", parent,
-                                     posixpath.join(parent, name)], 60)
+        # The target with links resolved, and the mode of a file being overwritten (an
+        # executable script stays executable).
+        code, out, err = self._exec(["bash", "-c", shell.RESOLVE_IN_REPO + 'mkdir -p -- '
+                                     '"$(dirname -- "$t")" && printf "%s\\n" "$t" && '
+                                     '{ stat -c %a -- "$t" 2>/dev/null || echo 644; }',
+                                     "w", path], 60)
+        if code == 3:
+            raise shell.outside_repo_error(path, _text(err))
         if code != 0:
             raise OSError(f"{path}: {_text(err)}")
-        self._put_files(parent, {name: content.encode("utf-8")}, mode=int(_text(out), 8))
+        target, mode = _text(out).rsplit("\n", 1)
+        parent, name = posixpath.split(target)
+        self._put_files(parent, {name: content.encode("utf-8")}, mode=int(mode, 8))
 
     def patch(self) -> str:
         """`git diff --binary` of the tree (untracked files included) against the base.
 
         Decoded with errors="surrogateescape", so `apply_patch` restores non-UTF-8 bytes.
+        PatchTooLarge past `max_patch_bytes`.
         """
-        diff = self._sh(f"{GIT} add -A && {GIT} diff --cached --binary {self.base_commit}",
-                        "git diff")
+        diff = self._sh(shell.capped_patch(GIT), "git diff", args=[self.base_commit,
+                                                             str(self.max_patch_bytes)])
+        if len(diff) > self.max_patch_bytes:
+            raise base.PatchTooLarge(f"the repository's changes make a patch over the cap of "
+                                     f"{self.max_patch_bytes} bytes")
         return diff.decode("utf-8", errors="surrogateescape")
 
     def apply_patch(self, patch: str) -> None:
@@ -334,10 +402,23 @@ class DockerSandbox(base.Sandbox):
     # -- teardown ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Force-removes the container; retried by a later close() if the engine failed."""
-        if self.container_id is None:
-            return
-        _remove_container(self._client, self.container_id)
+        """Force-removes the container; retried by a later close() if the engine failed,
+        unless the sandbox is `lost` (its engine down). `on_close` runs once, on the
+        first close, whether the removal worked or not."""
+        on_close, self._on_close = self._on_close, None
+        failure = None
+        try:
+            if self.container_id is not None:
+                _remove_container(self._client, self.container_id, engine=self.engine)
+                self.container_id = None
+        except base.SandboxError as e:
+            failure = e
+        finally:
+            if on_close is not None:
+                on_close(failure)
+        if failure is not None and not self.lost:
+            raise failure
+        # (An engine marked down: its fleet removes the container when it is back.)
         self.container_id = None
 
 

@@ -25,7 +25,9 @@ trainer leaves behind (`close` never ran).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -39,7 +41,7 @@ import threading
 import time
 from collections.abc import Mapping
 
-from env.sandbox import base
+from env.sandbox import base, shell
 from env.sandbox.output import CappedOutput
 from env.sandbox.paths import repo_relative
 
@@ -53,6 +55,7 @@ EXEC_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 # Dedicated uids are drawn from here; far above login (1000+) and subuid (100000+) ranges.
 UID_RANGE = (1_000_000_000, 1_500_000_000)
 PREFIX, OWNER_FILE = "sandbox-", ".owner"
+MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
 # Extra wall time the supervisor gets beyond the command timeout before it counts as broken.
 SUPERVISOR_GRACE_S = 15.0
 
@@ -63,7 +66,7 @@ class LocalLimits:
 
     cpu_seconds: int | None = 600  # RLIMIT_CPU of each process
     memory_bytes: int | None = 2 << 30  # RLIMIT_AS of each process
-    file_size_bytes: int | None = 1 << 30  # RLIMIT_FSIZE: largest file a command may write
+    file_size_bytes: int | None = 256 << 20  # RLIMIT_FSIZE: largest file a command may write
     max_processes: int | None = 256  # RLIMIT_NPROC: live processes of the sandbox's uid
 
     def rlimits(self) -> dict[str, int]:
@@ -94,9 +97,14 @@ class LocalSandbox(base.Sandbox):
       base_commit: commit of `repo_dir` to start from (only with a git `repo_dir`).
       limits: per-command rlimits.
       max_output_bytes: cap on the output kept per `run` (head and tail halves).
+      max_patch_bytes: cap on `patch()` (PatchTooLarge beyond it).
       env: extra environment variables for commands.
       root_dir: where the temp directory is created (default: the system temp dir).
       env_setup: shell run before every `run` command (an environment's activation).
+      disk_bytes: cap on everything the sandbox directory holds (a tmpfs of that size;
+        isolated sandboxes only: the mount needs root).
+      allow_unisolated: where isolation cannot be had (no root, no namespaces), run
+        commands anyway, with the calling user's rights; otherwise IsolationUnavailable.
     """
 
     def __init__(
@@ -106,16 +114,27 @@ class LocalSandbox(base.Sandbox):
         base_commit: str | None = None,
         limits: LocalLimits = LocalLimits(),
         max_output_bytes: int = 1 << 20,
+        max_patch_bytes: int = base.MAX_PATCH_BYTES,
         env: Mapping[str, str] | None = None,
         root_dir: str | None = None,
         env_setup: str = "",
+        allow_unisolated: bool = False,
+        disk_bytes: int | None = 1 << 30,
     ):
+        self.isolated = isolation_available()
+        if not self.isolated and not allow_unisolated:
+            raise IsolationUnavailable(
+                "the local sandbox cannot isolate commands here (it needs root and Linux "
+                "mount/PID/network namespaces): they would run with the trainer's rights. "
+                "Use the docker backend, or accept running untrusted code unisolated "
+                "(env.local_allow_unisolated=True, LocalSandbox(allow_unisolated=True)).")
         if (repo_files is None) == (repo_dir is None):
             raise ValueError("give exactly one of repo_files and repo_dir")
         if base_commit is not None and repo_dir is None:
             raise ValueError("base_commit needs repo_dir (repo_files start a new history)")
         self.limits = limits
         self.max_output_bytes = max_output_bytes
+        self.max_patch_bytes = max_patch_bytes
         self.env_setup = env_setup
         self._lock = threading.Lock()
         self._running: set[subprocess.Popen] = set()
@@ -125,6 +144,8 @@ class LocalSandbox(base.Sandbox):
             self._uid = None
         self.root = tempfile.mkdtemp(prefix=PREFIX, dir=root_dir)
         try:
+            if self.isolated and disk_bytes:
+                _mount_quota(self.root, disk_bytes)
             with open(os.path.join(self.root, OWNER_FILE), "w") as f:
                 json.dump({"owner": _process_identity(os.getpid())}, f)
             self.repo = os.path.join(self.root, "repo")
@@ -211,27 +232,37 @@ class LocalSandbox(base.Sandbox):
     # -- execution --------------------------------------------------------------------
 
     def _exec(self, argv: list[str], timeout: float, stdin: bytes | None = None,
-              merge: bool = True, cap: int | None = None) -> _Completed:
+              merge: bool = True, cap: int | None = None, script: str | None = None,
+              ) -> _Completed:
         status_r, status_w = os.pipe()
-        cfg = {"argv": argv, "timeout": timeout, "status_fd": status_w, "uid": self._uid,
-               "gid": self._uid, "rlimits": self.limits.rlimits()}
+        config_r, config_w = os.pipe()
+        cfg = {"argv": argv, "script": script, "timeout": timeout, "status_fd": status_w,
+               "uid": self._uid, "gid": self._uid, "rlimits": self.limits.rlimits(),
+               "isolate": self.root if self.isolated else None}
         with self._lock:
             if self._closed:
-                os.close(status_r)
-                os.close(status_w)
+                for fd in (status_r, status_w, config_r, config_w):
+                    os.close(fd)
                 raise base.SandboxError("sandbox is closed")
             try:
                 proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", SUPERVISOR, json.dumps(cfg)],
-                    cwd=self.repo, env=self._env, start_new_session=True, pass_fds=(status_w,),
+                    [sys.executable, "-I", "-S", SUPERVISOR, str(config_r)],
+                    cwd=self.repo, env=self._env, start_new_session=True,
+                    pass_fds=(status_w, config_r),
                     stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT if merge else subprocess.PIPE)
             except OSError as e:
+                os.close(config_w)
                 raise base.SandboxError(f"cannot start the command supervisor: {e}") from e
             finally:
                 os.close(status_w)
+                os.close(config_r)
             self._running.add(proc)
+        # The config (with the command) goes through a pipe, written while the supervisor
+        # reads it: a pipe holds 64 KiB, a command may be longer.
+        threading.Thread(target=_feed, args=(os.fdopen(config_w, "wb"), json.dumps(cfg).encode()),
+                         daemon=True).start()
         try:
             out = CappedOutput(cap) if cap is not None else bytearray()
             err = bytearray()
@@ -259,7 +290,7 @@ class LocalSandbox(base.Sandbox):
     def run(self, cmd: str, timeout: float = 60.0) -> base.ExecResult:
         """Runs `bash -c cmd` in the repository root; see the module docstring for limits."""
         cmd = f"{self.env_setup}\n{cmd}" if self.env_setup else cmd
-        done = self._exec(["bash", "-c", cmd], timeout, cap=self.max_output_bytes)
+        done = self._exec([], timeout, cap=self.max_output_bytes, script=cmd)
         return base.ExecResult(exit_code=done.exit_code, output=done.stdout.text(),
                                timed_out=done.timed_out, truncated=done.stdout.truncated)
 
@@ -269,36 +300,43 @@ class LocalSandbox(base.Sandbox):
         if done.timed_out:
             raise base.SandboxError(f"{what} timed out after {timeout}s")
         if done.exit_code != 0:
-            raise _FailedCommand(bytes(done.stderr).decode(errors="replace").strip())
+            raise _FailedCommand(done.exit_code,
+                                 bytes(done.stderr).decode(errors="replace").strip())
         return bytes(done.stdout)
 
-    def read_file(self, path: str) -> str:
+    def read_file(self, path: str, errors: str = "replace") -> str:
         path = repo_relative(path)
         try:
             data = self._checked(["cat", "--", path], f"reading {path}")
         except _FailedCommand as e:
             raise _file_error(str(e), path) from None
-        return data.decode("utf-8", errors="replace")
+        return data.decode("utf-8", errors=errors)
 
     def write_file(self, path: str, content: str) -> None:
         path = repo_relative(path)
-        script = 'mkdir -p -- "$(dirname -- "$1")" && cat > "$1"'
+        script = shell.RESOLVE_IN_REPO + 'mkdir -p -- "$(dirname -- "$t")" && cat > "$t"'
         try:
             self._checked(["bash", "-c", script, "write", path], f"writing {path}",
                           stdin=content.encode("utf-8"))
         except _FailedCommand as e:
-            raise _file_error(str(e), path) from None
+            if e.code == 3:
+                raise shell.outside_repo_error(path, e.stderr) from None
+            raise _file_error(e.stderr, path) from None
 
     def patch(self) -> str:
         """`git diff --binary` of the tree (untracked files included) against the base.
 
         Decoded with errors="surrogateescape", so `apply_patch` restores non-UTF-8 bytes.
+        PatchTooLarge past `max_patch_bytes`.
         """
-        script = 'git add -A && git diff --cached --binary "$1"'
         try:
-            data = self._checked(["bash", "-c", script, "patch", self.base_commit], "git diff")
+            data = self._checked(["bash", "-c", shell.capped_patch(), "patch", self.base_commit,
+                                  str(self.max_patch_bytes)], "git diff")
         except _FailedCommand as e:
             raise base.SandboxError(f"git diff failed: {e}") from None
+        if len(data) > self.max_patch_bytes:
+            raise base.PatchTooLarge(f"the repository's changes make a patch over the cap of "
+                                     f"{self.max_patch_bytes} bytes")
         return data.decode("utf-8", errors="surrogateescape")
 
     def apply_patch(self, patch: str) -> None:
@@ -320,11 +358,63 @@ class LocalSandbox(base.Sandbox):
             _terminate(proc)
         if self._uid is not None:
             kill_uid_processes(self._uid)
-        shutil.rmtree(self.root, ignore_errors=True)
+        _remove(self.root)
+
+
+def _mount_quota(path: str, size: int) -> None:
+    """A tmpfs of `size` bytes on `path`: everything the sandbox writes counts against it
+    (writes past it fail with ENOSPC, an error the command sees)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"tmpfs", path.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+                  f"size={size},mode=0700".encode()) != 0:
+        err = ctypes.get_errno()
+        raise base.SandboxError(f"cannot mount the sandbox's {size}-byte tmpfs on {path}: "
+                                f"{os.strerror(err)}")
+
+
+def _remove(path: str) -> None:
+    """Removes a sandbox directory, unmounting its tmpfs (a lazy unmount: a process still
+    holding a file in it does not keep the directory)."""
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.ismount(path):
+        ctypes.CDLL(None, use_errno=True).umount2(path.encode(), MNT_DETACH)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+class IsolationUnavailable(RuntimeError):
+    """Commands could not be isolated here, and running them unisolated was not allowed."""
+
+
+@functools.cache
+def isolation_available() -> bool:
+    """Whether commands can run isolated: as root, in new namespaces (probed once by
+    running `true` through the supervisor, as every command runs)."""
+    if os.geteuid() != 0:
+        return False
+    with tempfile.TemporaryDirectory() as root:
+        status_r, status_w = os.pipe()
+        config_r, config_w = os.pipe()
+        cfg = {"argv": ["true"], "script": None, "timeout": 30, "status_fd": status_w,
+               "uid": None, "gid": None, "rlimits": {}, "isolate": root}
+        with os.fdopen(config_w, "wb") as f:
+            f.write(json.dumps(cfg).encode())  # (small: fits in the pipe)
+        try:
+            done = subprocess.run([sys.executable, "-I", "-S", SUPERVISOR, str(config_r)],
+                                  cwd=root, pass_fds=(status_w, config_r), capture_output=True,
+                                  timeout=60)
+        finally:
+            os.close(status_w)
+            os.close(config_r)
+        status = _read_all(status_r).split()
+        os.close(status_r)
+    return done.returncode == 0 and status[:1] == [b"0"]
 
 
 class _FailedCommand(Exception):
-    pass
+    def __init__(self, code: int, stderr: str):
+        super().__init__(stderr)
+        self.code, self.stderr = code, stderr
 
 
 def _file_error(message: str, path: str) -> OSError:
@@ -375,11 +465,8 @@ def _read_all(fd: int) -> bytes:
 
 
 def _feed(pipe, data: bytes) -> None:
-    try:
+    with contextlib.suppress(BrokenPipeError, ValueError), pipe:
         pipe.write(data)
-        pipe.close()
-    except (BrokenPipeError, ValueError):
-        pass
 
 
 def _terminate(proc: subprocess.Popen) -> None:
@@ -448,7 +535,7 @@ def reap_stale(root_dir: str | None = None) -> list[str]:
         uid = os.stat(path).st_uid  # a dedicated uid owns the directory (root only)
         if os.geteuid() == 0 and UID_RANGE[0] <= uid < UID_RANGE[1]:
             kill_uid_processes(uid)
-        shutil.rmtree(path, ignore_errors=True)
+        _remove(path)
         reaped.append(path)
     return reaped
 
