@@ -230,9 +230,10 @@ def never_ran(task: Task, output: str, exit_code: int, timed_out: bool, timeout:
     if exit_code in (126, 127):
         last = (output.strip().splitlines() or [""])[-1]
         return f"interpreter_missing: the test command could not start (exit {exit_code}): {last}"
-    if task.expected_output is not None or task.log_parser == "exit_code":
-        return "" if status or task.log_parser == "exit_code" else (
-            "tests_not_found: the log has no test summary")
+    if task.log_parser == "exit_code":
+        return ""
+    if task.expected_output is not None:
+        return "" if status else "tests_not_found: the log has no pytest summary"
     if any(t in status for t in task.tests) or not task.tests:
         return ""
     text = "\n".join(_clean(output))

@@ -36,10 +36,11 @@ from env.grading import (
     parse_pytest,
     parse_sympy,
     parse_unittest,
+    restore_plan,
 )
 from env.miniswe import generate_tasks, unified_diff
 from env.sandbox.local import LocalLimits
-from env.tasks import task_from_row
+from env.tasks import Task, task_from_row
 
 FLASK_CALC = "def add(a, b):\n    return a - b\n\n\ndef label(text):\n    return text.upper()\n"
 FLASK_FILES = {
@@ -230,7 +231,7 @@ def _grade(task, *edits, setup=None):
                 assert sandbox.run(edit).exit_code == 0, edit
             else:
                 sandbox.write_file(*edit)
-        return grade(task, sandbox, timeout=120)
+        return grade(task, sandbox, timeout=300)
 
 
 def _scores(task, source, gold, wrong):
@@ -400,3 +401,18 @@ def test_env_errors_counted_by_reason():
     m = rollout_metrics(trajs, [trajs])
     assert m["rollout/env_errors"] == 4 and m["rollout/env_errors_collection_failed"] == 2
     assert m["rollout/env_errors_SandboxError"] == 1 and m["rollout/env_errors_timeout"] == 1
+
+
+def test_restore_plan_rules():
+    task = Task("t", "x", repo_files={}, FAIL_TO_PASS=["pkg/tests/test_b.py::test_b"],
+                test_patch="diff --git a/tests/test_a.py b/tests/test_a.py\n",
+                test_infra=["bin/*"])
+    changed = ["src/mod.py", "tests/test_a.py", "tests/helper.py", "conftest.py", "sub/tox.ini",
+               "pkg/tests/data.json", "bin/test", "json.py", "pkg/json.py", "pkg/mod.py",
+               "unittest/__init__.py", "setup.cfg", "docs/pyproject.toml", "test_root.py"]
+    restore, shadows, sections = restore_plan(task, changed)
+    assert restore == ["tests/test_a.py", "tests/helper.py", "conftest.py", "sub/tox.ini",
+                       "pkg/tests/data.json", "bin/test"]
+    # restored unless their directory is a package (decided in the sandbox)
+    assert shadows == ["json.py", "pkg/json.py", "unittest/__init__.py"]
+    assert sections == ["setup.cfg", "docs/pyproject.toml"]
