@@ -15,7 +15,8 @@ import sys
 import pytest
 from sandbox_backends import BACKENDS, backend_factory
 
-from env.episode import Episode, grade
+from env.episode import Episode, sandbox_factory
+from env.grading import grade, parse_unittest
 from env.miniswe import TEST_RUN, expert_demo, generate_tasks
 from env.tools import parse_tool_call
 from rl.setup import expert_actions_text
@@ -65,6 +66,21 @@ def test_generation_is_deterministic_and_tiny():
         assert t.FAIL_TO_PASS and set(t.FAIL_TO_PASS).isdisjoint(t.PASS_TO_PASS)
     with pytest.raises(ValueError, match="difficulties"):
         generate_tasks(1, 0, difficulties=(4,))
+
+
+def test_grading_reads_each_test_as_the_host_runs_it(tmp_path):
+    """mini-SWE goes through env.grading: the unittest log's per-test statuses equal the
+    host's own run of each test, untouched and with the gold patch."""
+    factory = sandbox_factory("local")
+    for task in generate_tasks(4, seed=11):
+        assert task.log_parser == "unittest"
+        for patch, reward in (("", 0.0), (task.gold_patch, 1.0)):
+            with factory(task) as sandbox:
+                sandbox.apply_patch(patch)
+                result = grade(task, sandbox)
+            host = host_outcomes(task.repo_files, patch, tmp_path)
+            assert result.reward == reward and result.error == ""
+            assert {t: s == "PASSED" for t, s in parse_unittest(result.output).items()} == host
 
 
 def test_statements_follow_the_difficulty():
