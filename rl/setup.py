@@ -309,8 +309,9 @@ def histograms(groups: Sequence[Sequence[Trajectory]]) -> dict[str, np.ndarray]:
     rates = [np.mean([t.reward for t in g if t.reward is not None]) for g in groups
              if any(t.reward is not None for t in g)]
     lengths = [t.num_generated_tokens for g in groups for t in g]
-    return {"rollout/task_pass_rate": np.asarray(rates, np.float64),
-            "rollout/generated_tokens": np.asarray(lengths, np.float64)}
+    # A step whose rollouts were all env errors has no pass rates to histogram.
+    out = {"rollout/task_pass_rate": rates, "rollout/generated_tokens": lengths}
+    return {k: np.asarray(v, np.float64) for k, v in out.items() if v}
 
 
 def console_line(step: int, m: dict[str, float]) -> str:

@@ -302,3 +302,77 @@ def test_fixed_ratios_come_from_the_config_on_resume(caplog):
     adaptive = AdaptiveController(remaining_ratio=0.75, adaptive=True)
     adaptive.load_state_dict(untouched)
     assert adaptive.ratio("too_hard") == 0.75
+
+
+# ---------------------------------------------------------------- replay through the algorithm
+
+
+def _ps_run(replay: str, corrupt_patch: bool):
+    """One GRPO + Prefix Sampling collect step whose queue holds a prefix task of an
+    expert demonstration (its patch made unappliable if asked), run for real: a tiny
+    random Qwen3 behind the embedded engine, local sandboxes, mini-SWE tasks."""
+    import asyncio
+    import dataclasses
+
+    import ml_collections
+    from flax import nnx
+
+    from configs import common
+    from env import miniswe
+    from inference.embedded import EmbeddedEngine
+    from models.qwen3 import Qwen3, Qwen3Config
+    from models.tokenizer import train_bpe
+    from rl import algos, setup
+    from rl.rollout import Agent, RolloutConfig
+
+    tasks = miniswe.generate_tasks(3, seed=11, difficulties=(1,))
+    tokenizer = train_bpe(setup.tokenizer_corpus(tasks), 600)
+    model = Qwen3(Qwen3Config(vocab_size=640, hidden_size=32, intermediate_size=64,
+                              num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16),
+                  rngs=nnx.Rngs(0))
+    cfg = RolloutConfig(max_steps=6, max_turn_tokens=16, max_response_tokens=2000,
+                        max_context=4096, test_timeout_s=30.0, env_retries=0)
+    engine = EmbeddedEngine(model, max_batch=8, max_len=4096, seed=0)
+    factory = setup.sandbox_factory(type("E", (), {"backend": "local", "image": "",
+                                                   "local_allow_unisolated": False})())
+    agent = Agent(engine, tokenizer, factory, cfg, max_concurrent_envs=4, tools_in_prompt=False)
+    config = ml_collections.ConfigDict(dict(seed=0, batch_tasks=2, group_size=2,
+                                            advantage="grpo", reject_degenerate=True))
+    config.ps = common.prefix_defaults()
+    config.ps.replay = replay
+    algo = algos.GRPOPrefix(algos.Context(config, agent, tasks, score=None))
+
+    async def run():
+        try:
+            source = await agent.demonstrate(
+                tasks[0], setup.expert_actions_text(miniswe.expert_demo(tasks[0])))
+            ptask = make_prefix_task(source, 2, "too_hard", step=0)
+            if corrupt_patch:  # the diff restore applies: the last replayed turn's
+                bad = "--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-x\n+y\n"
+                ptask.turns[-1] = dataclasses.replace(ptask.turns[-1], patch=bad)
+            algo.queue.push([ptask])
+            groups = await algo.collect(1)
+            return groups, algo.advantages(1, groups)
+        finally:
+            agent.close()
+            engine.close()
+
+    return asyncio.run(run())
+
+
+def test_unrestorable_prefix_is_an_env_error_and_the_step_goes_on():
+    groups, (kept, advs, metrics) = _ps_run("patch", corrupt_patch=True)
+    prefixed, fresh = groups
+    assert all(t.is_env_error and t.reward is None for t in prefixed)
+    assert all(not t.is_env_error for t in fresh)
+    assert metrics["ps/unscored"] == 1 and len(kept) == len(advs)
+
+
+def test_reexec_replay_restores_by_rerunning_the_tool_calls():
+    # The recorded patch is never applied: the prefix's calls run again.
+    groups, _ = _ps_run("reexec", corrupt_patch=True)
+    prefixed = groups[0]
+    assert all(not t.is_env_error and t.prefix is not None for t in prefixed)
+    assert all(t.turns[0].replayed and t.turns[1].replayed for t in prefixed)
+    with pytest.raises(ValueError, match="replay"):
+        PrefixConfig(replay="redo")

@@ -55,12 +55,6 @@ def test_command_line_overrides(capsys):
     with pytest.raises(KeyError, match="rollout.nope"):
         train.main(["--config", os.path.join(ROOT, "configs/default.py"), "--workdir", "/x",
                     "--dry_run", "--set", "rollout.nope=3"])
-    # A KL penalty needs reference log-probs the training loop does not compute: refused
-    # up front rather than at the first train step.
-    with pytest.raises(ValueError, match="learner.loss.kl='k3'"):
-        train.main(["--config", os.path.join(ROOT, "configs/default.py"), "--workdir", "/x",
-                    "--dry_run", "--set", "learner.loss.kl=k3", "--set",
-                    "learner.loss.kl_coef=0.1"])
 
 
 def _env():
@@ -69,10 +63,11 @@ def _env():
     return env
 
 
-def _run(workdir, timeout=900):
+def _run(workdir, timeout=900, spec="configs/default.py:smoke", overrides=()):
+    sets = [a for kv in overrides for a in ("--set", kv)]
     return subprocess.run(
-        [sys.executable, "train.py", "--config", "configs/default.py:smoke", "--workdir",
-         workdir], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+        [sys.executable, "train.py", "--config", spec, "--workdir", workdir, *sets],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def _steps(workdir):
@@ -151,15 +146,26 @@ def test_smoke_run_resumes_after_kill(tmp_path):
     assert not os.path.exists(tmp_path / "stray")
 
 
-def test_spo_smoke_run_trains_with_the_tracker(tmp_path):
+def test_spo_smoke_run_starts_offline_and_trains_with_the_tracker(tmp_path):
+    """spo.init_samples: 2 rollouts of each of 8 pool prompts with the initial policy,
+    through the stream collector, before step 1; the tracker starts from them."""
     workdir = str(tmp_path / "spo")
-    out = subprocess.run(
-        [sys.executable, "train.py", "--config", "configs/default.py:smoke,spo", "--workdir",
-         workdir], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    out = _run(workdir, spec="configs/default.py:smoke,spo",
+               overrides=["spo.init_samples=2", "spo.pool_size=8"])
     assert out.returncode == 0, out.stderr[-3000:]
+    start = [m for m in _steps(workdir) if "spo/init_rollouts" in m]
+    assert len(start) == 1 and start[0]["step"] == 0, start
+    start = start[0]
+    assert start["spo/init_rollouts"] == 16 and start["spo/init_env_errors"] == 0
+    assert start["spo/init_prompts"] == 8 and start["time/start_s"] > 0
     rl = [m for m in _steps(workdir) if "time/rollout_s" in m]
     assert [m["step"] for m in rl] == [1, 2]
-    assert all(m["spo/tracked"] >= 1 and 0.875 <= m["spo/rho_mean"] <= 0.96 for m in rl)
+    # Step 1's baseline is the offline start's ("+0.5" form, n0 = 2: 1/6 for a prompt
+    # that failed both samples), not the Beta(1, 1) prior's 0.5.
+    if start["spo/init_pass_rate"] == 0:
+        assert rl[0]["spo/v_mean"] == pytest.approx(1 / 6)
+    assert rl[0]["spo/v_mean"] != 0.5
+    assert all(m["spo/tracked"] >= 8 and 0.875 <= m["spo/rho_mean"] <= 0.96 for m in rl)
     assert all(m["rollout/trajectories"] == 4 for m in rl)  # batch_tasks, one response each
     # Generation overlaps the learner in stream mode: throughput is per second of the step.
     for m in rl:
@@ -167,3 +173,23 @@ def test_spo_smoke_run_trains_with_the_tracker(tmp_path):
         generated = m["rollout/generated_tokens_mean"] * m["rollout/trajectories"]
         assert m["rollout/generated_tokens_per_s"] == pytest.approx(
             generated / m["time/step_s"], rel=1e-4)
+
+
+@pytest.mark.parametrize("kl", ["k3", "exact"])
+def test_kl_anchor_smoke(tmp_path, kl):
+    """learner.loss.kl from train.py: the reference is the starting policy (KL 0 at the
+    first update), frozen while the policy moves (KL > 0 after it). The 2-step smoke
+    policy solves nothing, so every PPO advantage is 0: the sft token loss on all
+    groups makes the first update move the policy."""
+    workdir = str(tmp_path / kl)
+    out = _run(workdir, overrides=[f"learner.loss.kl={kl}", "learner.loss.kl_coef=0.1",
+                                   "reject_degenerate=False", "learner.loss.name=sft",
+                                   "learner.optim.lr=1e-3", "sft.steps=0",
+                                   "env.eval_tasks=2"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    rl = [m for m in _steps(workdir) if "time/rollout_s" in m]
+    assert [m["step"] for m in rl] == [1, 2] and all(m["train/trajectories"] > 0 for m in rl)
+    first, second = (m["learner/kl_ref"] for m in rl)
+    assert abs(first) < 1e-6, first
+    assert np.isfinite(second) and second > 1e-4, second
+    assert os.path.isdir(os.path.join(workdir, "reference"))
