@@ -178,6 +178,7 @@ class Agent:
             async with self.pool.acquire(job.task) as sandbox:
                 await self._episode(job, traj, sandbox, act)
         except Exception as e:  # noqa: BLE001 - one broken episode never fails the step
+            _raise_if_cancelling(e)
             _log_env_error(job, e)
             traj.status, traj.error, traj.reward = "env_error", _describe(e), None
         return traj
@@ -280,6 +281,14 @@ def _describe(error: BaseException) -> str:
     return text if len(text) <= 2000 else text[:2000] + " [...]"
 
 
+def _raise_if_cancelling(error: Exception) -> None:
+    """An exception raised while the task was being cancelled (a cleanup failing under
+    the CancelledError) must not end the cancellation: the rollout stops."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from error
+
+
 def _log_env_error(job: RolloutJob, error: Exception) -> None:
     """Infrastructure failures are expected and logged briefly; anything else is a bug
     to see, logged with its traceback (the trajectory is env_error either way)."""
@@ -295,6 +304,7 @@ async def run_guarded(agent: Agent, job: RolloutJob) -> Trajectory:
     try:
         return await agent.run(job)
     except Exception as e:  # noqa: BLE001
+        _raise_if_cancelling(e)
         _log_env_error(job, e)
         return Trajectory(task_id=job.task.instance_id, uid=uuid.uuid4().hex, turns=[],
                           policy_version=agent.policy_version, status="env_error",

@@ -24,6 +24,7 @@ import posixpath
 import select
 import struct
 import tarfile
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -58,6 +59,7 @@ FROM_FILE = f'eval "$(cat {COMMAND_FILE}; rm -f {COMMAND_FILE})"'
 # Clients of engines whose storage driver takes no per-container size (overlay2 off
 # xfs with pquota).
 _NO_SIZE_OPTION: weakref.WeakSet[docker.DockerClient] = weakref.WeakSet()
+_NO_SIZE_LOCK = threading.Lock()
 GIT = "git -c safe.directory=* -c user.name=sandbox -c user.email=sandbox@localhost"
 GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 PATCH_FILE = "/tmp/.sandbox.patch"
@@ -233,9 +235,12 @@ class DockerSandbox(base.Sandbox):
             except base.SandboxError as e:
                 if "storage-opt" not in str(e) and "storage_opt" not in str(e):
                     raise
-                _NO_SIZE_OPTION.add(self._client)
-                log.warning("docker engine %s cannot cap a container's disk use (%s); only "
-                            "the per-file size limit bounds it", self.engine, e)
+                with _NO_SIZE_LOCK:  # logged once per engine
+                    known = self._client in _NO_SIZE_OPTION
+                    _NO_SIZE_OPTION.add(self._client)
+                if not known:
+                    log.warning("docker engine %s cannot cap a container's disk use (%s); only "
+                                "the per-file size limit bounds it", self.engine, e)
         with docker_errors(f"creating a container from {image}", self.engine):
             return self._client.containers.create(image, PID1, **options)
 

@@ -111,6 +111,8 @@ class SandboxPool:
         await self._slots.acquire()
         loop = asyncio.get_running_loop()
         try:
+            if self._closed:
+                raise SandboxError("the sandbox pool is closed")
             created = self._executor.submit(self._create, spec)
         except BaseException:
             self._slots.release()
@@ -124,12 +126,13 @@ class SandboxPool:
         try:
             yield sandbox
         finally:
-            closing = self._executor.submit(self._discard, sandbox)
-            try:
-                await asyncio.shield(asyncio.wrap_future(closing))
-            except BaseException:  # cancelled again while closing: free the slot after
-                closing.add_done_callback(functools.partial(self._free_slot, loop, None))
-                raise
+            if not self._closed:  # (close() closed every sandbox and stopped the workers)
+                closing = self._executor.submit(self._discard, sandbox)
+                try:
+                    await asyncio.shield(asyncio.wrap_future(closing))
+                except BaseException:  # cancelled again while closing: free the slot after
+                    closing.add_done_callback(functools.partial(self._free_slot, loop, None))
+                    raise
             self._slots.release()
 
     def _free_slot(self, loop: asyncio.AbstractEventLoop,
