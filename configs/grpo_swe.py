@@ -31,8 +31,11 @@ def get_config(arg=None, options=OPTIONS):
     c.seed = arg.seed
     c.total_steps = 200
 
+    # bf16 compute, f32 master parameters and Adam state; each layer's activations are
+    # recomputed in the backward pass (remat none / full / save-dots); attention "auto" is
+    # the Pallas kernel on GPU/TPU (logged if it falls back), "pallas" requires it.
     c.model = dict(preset=arg.model, hf_path=arg.model_path, dtype="bfloat16",
-                   param_dtype="float32")
+                   param_dtype="float32", remat="full", attention="auto")
     c.tokenizer = dict(path=arg.model_path, bpe_vocab_size=0)
     c.mesh = dict(data=1, fsdp=-1, tensor=1)
     c.distributed = common.distributed_defaults()  # one process per host: rl.distributed

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from kernels.attention import attention
+from models.sharding import constrain_rows
 
 _HF_ARCH = "Qwen3ForCausalLM"
 # Rematerialisation policies by name (None = recompute everything but the layer input).
@@ -326,17 +327,33 @@ def stacked_layers(cfg: Qwen3Config, rngs: nnx.Rngs) -> DecoderLayer:
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
+def _to_words(x: jax.Array) -> jax.Array:
+    """bfloat16 -> its raw uint16 words (other dtypes unchanged). The layer inputs the
+    backward pass keeps are stored as words: XLA's CPU backend, which has no bf16 dots,
+    otherwise keeps the whole [layers, B, T, d] stack in float32, twice the memory."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
+
+
+def _from_words(x: jax.Array, dtype) -> jax.Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
 def _scan_layers(layers: DecoderLayer, step, carry, xs=None, remat: str = "none"):
     """lax.scan of step(layer, carry, x) -> (carry, y) over the stacked layers."""
     graphdef, state = nnx.split(layers)
 
+    dtype = carry.dtype
+
     def body(carry, inputs):
         layer_state, x = inputs
-        return step(nnx.merge(graphdef, layer_state), carry, x)
+        carry, y = step(nnx.merge(graphdef, layer_state), _from_words(carry, dtype), x)
+        return _to_words(carry), y
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, carry, (state, xs))
+    carry, ys = jax.lax.scan(body, _to_words(carry), (state, xs))
+    return _from_words(carry, dtype), ys
+
 
 
 class Qwen3(nnx.Module):
@@ -364,8 +381,9 @@ class Qwen3(nnx.Module):
         """
         if segment_ids is None:
             segment_ids = jnp.ones_like(tokens)
-        step = lambda layer, x, _: (layer(x, positions, segment_ids), None)
-        x, _ = _scan_layers(self.layers, step, self.embed_tokens(tokens), remat=self.cfg.remat)
+        step = lambda layer, x, _: (constrain_rows(layer(x, positions, segment_ids)), None)
+        x = constrain_rows(self.embed_tokens(tokens))
+        x, _ = _scan_layers(self.layers, step, x, remat=self.cfg.remat)
         return self.norm(x)
 
     def lm_head(self) -> jax.Array:

@@ -118,6 +118,16 @@ def shard_params(params: Any, mesh: Mesh) -> Any:
     return jax.device_put(params, param_shardings(params, mesh))
 
 
+def constrain_rows(x: jax.Array) -> jax.Array:
+    """x [B, ...] kept split by rows over data x fsdp when a mesh is set (`jax.set_mesh`);
+    unchanged otherwise. Without it XLA may gather the activations of every row onto each
+    device (instead of the weights) for an FSDP-sharded matmul."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or not {"data", "fsdp"} <= set(mesh.axis_names):
+        return x
+    return jax.lax.with_sharding_constraint(x, PartitionSpec(("data", "fsdp")))
+
+
 def data_sharding(mesh: Mesh) -> NamedSharding:
     """Sharding of [B, T] batches: rows over data x fsdp, time replicated."""
     return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), None))

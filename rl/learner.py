@@ -14,6 +14,7 @@ kernels.logprob.token_logprobs without materialising [N, V] logits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -175,12 +176,11 @@ def policy_logprobs(graphdef, params, batch: Batch, cfg):
     column 0), and the final hidden states [r, L, d]."""
     model = nnx.merge(graphdef, params)
     hidden = model(batch.tokens, batch.positions, batch.segment_ids)
-    rows, length, dim = hidden.shape
+    # Per row (vmapped), so rows split over devices stay split.
     logp, entropy = token_logprobs(
-        hidden[:, :-1].reshape(-1, dim), model.lm_head(), batch.tokens[:, 1:].reshape(-1),
-        batch.loss_mask[:, 1:].reshape(-1), temperature=cfg.temperature,
-        implementation=cfg.logprob_impl)
-    pad = lambda x: jnp.pad(x.reshape(rows, length - 1), ((0, 0), (1, 0)))
+        hidden[:, :-1], model.lm_head(), batch.tokens[:, 1:], batch.loss_mask[:, 1:],
+        temperature=cfg.temperature, implementation=cfg.logprob_impl)
+    pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))
     return pad(logp), pad(entropy), hidden
 
 
@@ -195,6 +195,12 @@ def exact_kl_tokens(graphdef, params, ref_params, hidden, batch: Batch, cfg):
         ref_hidden[:, :-1].reshape(rows * (length - 1), -1), ref_model.lm_head(),
         batch.loss_mask[:, 1:].reshape(-1), temperature=cfg.temperature)
     return jnp.pad(kl.reshape(rows, length - 1), ((0, 0), (1, 0)))
+
+
+def mesh_context(mesh: Mesh | None):
+    """`jax.set_mesh(mesh)` (the model keeps activations split by rows under it), or
+    nothing without a mesh."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def make_compute_logprobs(graphdef, cfg, mesh: Mesh | None = None):
@@ -214,7 +220,8 @@ def make_compute_logprobs(graphdef, cfg, mesh: Mesh | None = None):
         check_rows(batch, cfg, mesh)
         if isinstance(batch.tokens, np.ndarray):
             batch = shard_batch(batch, mesh)
-        return compute_logprobs(params, batch)
+        with mesh_context(mesh):
+            return compute_logprobs(params, batch)
 
     return run
 
@@ -347,10 +354,12 @@ def make_train_step(graphdef, cfg, mesh: Mesh | None = None):
                 out_shardings = (jax.tree.map(lambda x: x.sharding, state),
                                  NamedSharding(mesh, PartitionSpec()))
             jitted["fn"] = jax.jit(step_fn, donate_argnums=0, out_shardings=out_shardings)
-        state, metrics = jitted["fn"](state, batch, ref_params)
+        with mesh_context(mesh):  # models.sharding.constrain_rows reads the mesh
+            state, metrics = jitted["fn"](state, batch, ref_params)
         finite, step = jax.device_get((metrics["finite"], metrics["step"]))
         if not finite:
             raise FloatingPointError(f"non-finite loss or gradient norm at train step {int(step)}")
         return state, metrics
 
+    train_step.step_fn = step_fn  # the pure step, for compile-only use (bench.scale)
     return train_step

@@ -137,6 +137,8 @@ def tokenizer(config, workdir: str, train_tasks: Sequence[Task]) -> Tokenizer:
 # ------------------------------------------------------------------ model
 
 _MODEL_KEYS = {f.name for f in dataclasses.fields(qwen3.Qwen3Config)}
+# Qwen3Config fields a checkpoint's config.json does not hold: the run config sets them.
+_RUNTIME_KEYS = ("dtype", "param_dtype", "remat", "attention")
 
 
 def model_config(model_cfg, vocab_size: int | None, dry_run: bool = False
@@ -148,7 +150,8 @@ def model_config(model_cfg, vocab_size: int | None, dry_run: bool = False
     if model_cfg.hf_path and not (dry_run and not os.path.exists(model_cfg.hf_path)):
         from models import hf_io
 
-        return hf_io.load_config(model_cfg.hf_path, dtype=model_cfg.get("dtype", "float32"))
+        runtime = {k: model_cfg[k] for k in _RUNTIME_KEYS if k in model_cfg}
+        return hf_io.load_config(model_cfg.hf_path, **runtime)
     if model_cfg.preset not in qwen3.PRESETS:
         raise KeyError(f"unknown model preset {model_cfg.preset!r}; known: "
                        f"{sorted(qwen3.PRESETS)}")
@@ -164,7 +167,8 @@ def model(model_cfg, cfg: qwen3.Qwen3Config, mesh, seed: int) -> qwen3.Qwen3:
         from models import hf_io
 
         return hf_io.load_hf(model_cfg.hf_path, mesh=mesh, dtype=cfg.dtype,
-                             param_dtype=cfg.param_dtype)[1]
+                             param_dtype=cfg.param_dtype, remat=cfg.remat,
+                             attention=cfg.attention)[1]
     return qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
 
 

@@ -33,10 +33,12 @@ def token_logprobs(
       logp[n] = z[n, targets[n]] - logsumexp(z[n]),  entropy[n] = -sum_v p[n, v] log p[n, v].
 
     Args:
-      hidden: [N, d] final hidden states (float32 or bfloat16).
+      hidden: [N, d] final hidden states (float32 or bfloat16), or [R, N, d]: R batch rows,
+        each compacted on its own (vmapped), so rows split over devices stay split.
       lm_head: [d, V] output projection.
-      targets: [N] int token ids in [0, V).
-      mask: [N]; rows where mask == 0 return 0, get zero gradient and cost no matmul FLOPs.
+      targets: [N] (or [R, N]) int token ids in [0, V).
+      mask: [N] (or [R, N]); positions where mask == 0 return 0, get zero gradient and
+        cost no matmul FLOPs.
       temperature: sampling temperature (> 0), a static Python float.
       implementation: None (xla on CPU; pallas elsewhere, falling back to xla with a logged
         warning when the kernels do not compile for these shapes), "reference", "xla" or
@@ -47,9 +49,18 @@ def token_logprobs(
       interpret: run the Pallas kernels in interpret mode (CPU tests).
 
     Returns:
-      (logp[N], entropy[N]) float32, differentiable with respect to hidden and lm_head
+      (logp, entropy) shaped like targets, float32, differentiable with respect to hidden
+      and lm_head
       (float32 accumulation whatever the input dtype).
     """
+    if hidden.ndim == 3:
+        one_row = lambda h, t, m: token_logprobs(
+            h, lm_head, t, m, temperature=temperature, implementation=implementation,
+            row_block=row_block, vocab_block=vocab_block, interpret=interpret)
+        if not targets.shape == mask.shape == hidden.shape[:2]:
+            raise ValueError(f"targets and mask must be [R, N]={hidden.shape[:2]}, got "
+                             f"{targets.shape} and {mask.shape}")
+        return jax.vmap(one_row)(hidden, targets, mask)
     _check_inputs(hidden, lm_head, targets, mask, temperature)
     temperature = float(temperature)
     on_cpu = jax.default_backend() == "cpu"
