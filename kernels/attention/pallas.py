@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from kernels.attention.blocks import BlockRanges, block_ranges
 
@@ -144,9 +145,14 @@ class _Specs:
                 self.kv_like(), self.q_ids(), self.kv_ids(), self.q_ids(), self.kv_ids()]
 
 
+# Triton, not Mosaic GPU (pallas_call's default GPU backend, which these tiles do not fit).
+_TRITON = plgpu.CompilerParams(num_warps=4, num_stages=2)
+
+
 def _call(kernel, specs, grid, out_specs, out_shape, interpret, *operands):
     return pl.pallas_call(kernel, grid=grid, in_specs=specs, out_specs=out_specs,
-                          out_shape=out_shape, interpret=interpret)(*operands)
+                          out_shape=out_shape, interpret=interpret,
+                          compiler_params=_TRITON)(*operands)
 
 
 def _forward(q, k, v, ids, ranges, block_q, block_k, interpret):
