@@ -1,6 +1,7 @@
 """Environment throughput: expert episodes on mini-SWE, local vs Docker sandboxes.
 
     python -m bench.env [--levels 1,4,8,16,32] [--per_slot 2] [--image swe-sandbox:test]
+    python -m bench.env --levels 8 --hosts unix:///var/run/docker.sock,unix:///var/run/docker-2.sock
 
 Each episode is a whole expert demonstration: a fresh sandbox, every tool call with
 its per-step patch, the reward run of the tests, and teardown. For each backend and
@@ -8,6 +9,11 @@ concurrency level c, `c * per_slot` episodes run on c threads; a level counts as
 clean when every episode ends `finished` with the reward its demo should earn and
 no container outlives the run. Prints one JSON object: episodes/s per level, the
 largest clean Docker concurrency, and the Docker/local ratio at each level.
+
+With --hosts (Docker engine URLs), the largest level also runs on a fleet of the
+first 1, 2, ... of those engines (env.sandbox.fleet, each engine holding at most
+that many sandboxes): episodes/s per number of engines, and the episodes each
+engine took (`fleet`).
 """
 
 from __future__ import annotations
@@ -71,12 +77,31 @@ def docker_factory(image: str, max_concurrency: int):
     return sandbox_factory("docker", image=image, client=client, mem_limit="512m"), live
 
 
+def measure_fleet(hosts: list[str], image: str, tasks, concurrency: int) -> list[dict]:
+    """episodes/s of `tasks` at `concurrency` on fleets of 1, 2, ... of `hosts`."""
+    from env.episode import FleetFactory
+
+    rows = []
+    for n in range(1, len(hosts) + 1):
+        print(f"fleet of {n} engine(s) c={concurrency}", file=sys.stderr)
+        factory = FleetFactory(hosts[:n], concurrency, image=image, mem_limit="512m")
+        try:
+            row = measure(factory, tasks, concurrency)
+            created = factory.fleet.metrics()
+        finally:
+            factory.close()
+        rows.append({"engines": n, **row, "episodes_per_engine": [
+            int(created[f"env/engine{i}/created"]) for i in range(n)]})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--levels", default="1,4,8,16,32")
     parser.add_argument("--per_slot", type=int, default=2)
     parser.add_argument("--image", default="swe-sandbox:test")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hosts", default="", help="Docker engine URLs, comma-separated")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     tasks = generate_tasks(max(levels) * args.per_slot, seed=args.seed)
@@ -103,6 +128,8 @@ def main() -> None:
         result["docker_over_local_throughput"] = {
             str(d["concurrency"]): round(d["episodes_per_s"] / lo["episodes_per_s"], 3)
             for d, lo in zip(result["docker"], result["local"], strict=True)}
+    if args.hosts:
+        result["fleet"] = measure_fleet(args.hosts.split(","), args.image, tasks, max(levels))
     print(json.dumps(result))
 
 

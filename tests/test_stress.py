@@ -148,7 +148,8 @@ def strays(before: set[int], marker: str, uids: set[int],
     ids = [cid.encode() for cid in container_ids]
     found = {
         "children": sorted(descendants(table) - before),
-        "marker": [pid for pid, (_, _, cmd) in table.items() if marker.encode() in cmd],
+        "marker": [pid for pid, (_, _, cmd) in table.items()
+                   if marker.encode() in cmd.replace(b"\0", b" ")],
         "uids": [pid for pid, (_, uid, _) in table.items() if uid in uids],
         "containers": [pid for pid, (_, _, cmd) in table.items()
                        if any(cid in cmd for cid in ids)],

@@ -7,7 +7,11 @@ CPU and pids limits. Each command runs as
 `timeout -s KILL N bash -c CMD` inside a wrapper that afterwards kills every other
 process in the container (`kill -9 -1`), so a call never leaves background processes
 behind (a fork bomb included) and the exec stream ends as soon as the command does.
-A host-side deadline of N + `HOST_GRACE_S` guards against a stuck engine.
+A host-side deadline of N + `HOST_GRACE_S` guards against a stuck engine. Commands
+over `ARGV_COMMAND_BYTES` go in as a file (execve caps an argument at 128 KiB); a
+command may write files up to `file_size_bytes` (ulimit -f), the writable layer is
+capped at `disk_bytes` where the storage driver allows, and `patch()` reads at most
+`max_patch_bytes` + 1 bytes.
 
 Every Docker failure (engine unreachable, container gone, API error) raises
 `SandboxError`; a missing file raises FileNotFoundError and a patch that does not

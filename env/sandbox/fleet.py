@@ -80,6 +80,7 @@ class Engine:
     client: docker.DockerClient | None = None
     up: bool = False
     errors: int = 0
+    created: int = 0  # sandboxes made on it so far
     live: dict[int, DockerSandbox | None] = dataclasses.field(default_factory=dict)
 
     @property
@@ -137,6 +138,7 @@ class DockerFleet:
                 release()
                 raise
         with self._cond:
+            engine.created += 1
             if token in engine.live:
                 engine.live[token] = sandbox
             down = not engine.up
@@ -249,11 +251,13 @@ class DockerFleet:
                          f"slots, {e.errors} errors" for e in self.engines)
 
     def metrics(self) -> dict[str, float]:
-        """Per engine (by index in `hosts`): slots, live sandboxes, errors, up (1/0)."""
+        """Per engine (by index in `hosts`): slots, live sandboxes, sandboxes created,
+        errors, up (1/0)."""
         out = {}
         with self._cond:
             for i, e in enumerate(self.engines):
                 out.update({f"env/engine{i}/slots": e.slots, f"env/engine{i}/live": len(e.live),
+                            f"env/engine{i}/created": e.created,
                             f"env/engine{i}/errors": e.errors, f"env/engine{i}/up": float(e.up)})
         return out
 

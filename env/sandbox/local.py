@@ -3,16 +3,24 @@
 Layout of one sandbox: `<tmp>/sandbox-XXXX/{repo,home,tmp}`; `repo` is a git checkout
 whose base commit `patch()` diffs against.
 
-Isolation: every command runs under `supervise.py` (new session, child subreaper)
-with a scrubbed environment and rlimits (CPU seconds, address space, file size,
-processes). When this process is root, commands run as a uid of their own, drawn at
-random from a range no account uses and owning the sandbox directory: RLIMIT_NPROC
-is counted per uid and not enforced for root, so only a dedicated uid makes the
-process limit hold (a fork bomb stays bounded) without touching other users' count;
-it also keeps commands away from root-owned files. Without root, commands run as the
-calling user and RLIMIT_NPROC is set to that user's current process count plus the
-limit. There is no network isolation and no total-memory bound (the address-space
-limit is per process); use the docker backend where those matter.
+Isolation: every command runs under `supervise.py` with the sandbox's own environment
+(PATH, HOME, TMPDIR, LANG: nothing of the trainer's) and rlimits (CPU seconds, address
+space, file size, processes). As root (required unless `allow_unisolated`), each
+command runs as a uid of its own, drawn at random from a range no account uses and
+owning the sandbox directory, in new mount, PID and network namespaces: every host
+mount is read-only but the sandbox directory, /proc shows only the command's own
+processes (no trainer to read or signal), and the loopback is its own (no inference
+server to call). RLIMIT_NPROC is counted per uid and not enforced for root, so only a
+dedicated uid makes the process limit hold (a fork bomb stays bounded) without
+touching other users' count. The sandbox directory is a tmpfs of `disk_bytes`, which
+bounds everything it holds. The command text reaches bash through a memfd (see
+supervise.py), so its length is not bounded by argv.
+
+Where isolation cannot be had (no root, no namespaces), the constructor raises
+IsolationUnavailable unless `allow_unisolated`: commands then run as the calling
+user, with RLIMIT_NPROC set to that user's current process count plus the limit, and
+can see and write what that user can. There is no total-memory bound either way (the
+address-space limit is per process); use the docker backend where that matters.
 
 After every command, processes it left in the background are killed: each call of
 `run` is self-contained, so an episode never leaks processes between steps.
