@@ -1,24 +1,38 @@
-"""Generation throughput of the embedded JAX engine vs HF transformers `generate` (CPU).
+"""Generation throughput of the embedded JAX engine vs its matmul bound and HF `generate`.
 
-Both run the same random tiny Qwen3 (models.qwen3.PRESETS["tiny"]) in float32: the JAX
-weights are exported with models.hf_io.save_hf and loaded by transformers. Each batch
-size generates exactly `new_tokens` greedy tokens after a `prompt_len`-token prompt;
-tokens/s counts generated tokens over the wall time of the whole call (prefill
-included), best of `repeats` runs after a warm-up (compilation excluded), the two
-engines interleaved so machine load affects both alike.
+All three run in one process on the same random Qwen3 in float32 (the `tiny` preset by
+default; --hidden/--vocab/--layers change its shape): the JAX weights are exported
+with models.hf_io.save_hf and loaded by transformers. Each batch size generates
+exactly `new_tokens` greedy tokens after a `prompt_len`-token prompt; tokens/s counts
+generated tokens over the wall time of the whole call (prefill included), best of
+`repeats` runs after a warm-up (compilation excluded), the runs interleaved so machine
+load affects all alike.
 
-    python -m bench.engine [--batch-sizes 1,8,32] [--new-tokens 64] [--prompt-len 32]
+The matmul bound is the time of the model's weight matmuls alone at the same shapes,
+measured in the same run: a jitted loop of the prefill's projections over the
+batch x prompt rows, then `new_tokens - 1` decode steps of every projection and the
+output head over the batch rows (no attention, norms, sampling or cache). Its
+tokens/s is what the engine would reach if everything but the matmuls were free;
+`fraction_of_matmul_bound` is the engine's tokens/s over it.
+
+    python -m bench.engine [--batch-sizes 1,8,32,64] [--new-tokens 64] [--prompt-len 32]
+
+Prints one JSON object; progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import os
 import sys
 import tempfile
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -54,28 +68,75 @@ def _hf_runner(model, torch, prompts: np.ndarray, new_tokens: int):
     return run
 
 
-def _best(run, repeats: int) -> tuple[float, np.ndarray]:
-    times, out = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = run()
-        times.append(time.perf_counter() - start)
-    return min(times), out
+def _projections(model) -> tuple[list[tuple[jax.Array, ...]], jax.Array]:
+    """Per layer (q, k, v, o, gate, up, down) kernels in compute dtype, and the head [d,V]."""
+    dtype = jnp.dtype(model.cfg.dtype)
+    a, m = model.layers.self_attn, model.layers.mlp  # stacked: [num_layers, in, out] kernels
+    stacked = [p.kernel[...].astype(dtype) for p in (
+        a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)]
+    layers = [tuple(w[i] for w in stacked) for i in range(model.cfg.num_layers)]
+    return layers, model.lm_head()
+
+
+def _matmul_chain(layers, head, x, steps: int, with_head: bool):
+    """`steps` passes of x [N,d] through every projection (and the head): the matmuls of
+    `steps` forward steps of N tokens. Each output feeds the next step (cheap reductions
+    keep k, v and the logits live), so nothing is computed once and reused."""
+
+    def step(_, x):
+        for wq, wk, wv, wo, wg, wu, wd in layers:
+            kv = jnp.mean(x @ wk, axis=-1) + jnp.mean(x @ wv, axis=-1)
+            x = x + (x @ wq) @ wo + 1e-6 * kv[:, None]
+            x = x + ((x @ wg) * (x @ wu)) @ wd
+        if with_head:
+            x = x + 1e-6 * jnp.max((x @ head).astype(jnp.float32), axis=-1)[:, None]
+        return x
+
+    return jax.lax.fori_loop(0, steps, step, x)
+
+
+def _bound_runner(model, batch: int, prompt_len: int, new_tokens: int):
+    layers, head = _projections(model)
+    d = model.cfg.hidden_size
+    dtype = jnp.dtype(model.cfg.dtype)
+
+    @jax.jit
+    def bound(layers, head, prompt_x, step_x):
+        prefill = _matmul_chain(layers, head, prompt_x, 1, with_head=False)
+        decode = _matmul_chain(layers, head, step_x, new_tokens - 1, with_head=True)
+        return prefill, decode
+
+    prompt_x = jnp.full((batch * prompt_len, d), 0.01, dtype)
+    step_x = jnp.full((batch, d), 0.01, dtype)
+    return lambda: jax.block_until_ready(bound(layers, head, prompt_x, step_x))
+
+
+def _model(args) -> qwen3.Qwen3:
+    cfg = qwen3.PRESETS[args.preset]
+    overrides = {k: v for k, v in (("hidden_size", args.hidden), ("vocab_size", args.vocab),
+                                   ("num_layers", args.layers)) if v}
+    if "hidden_size" in overrides:
+        overrides["intermediate_size"] = 3 * overrides["hidden_size"]
+    return qwen3.Qwen3(dataclasses.replace(cfg, **overrides), rngs=nnx.Rngs(args.seed))
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--hidden", type=int, default=0, help="hidden size (intermediate 3x)")
+    p.add_argument("--vocab", type=int, default=0)
+    p.add_argument("--layers", type=int, default=0)
     args = p.parse_args(argv)
     import torch
     import transformers
 
-    cfg = qwen3.PRESETS["tiny"]
-    model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(args.seed))
+    model = _model(args)
+    cfg = model.cfg
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     engine = EmbeddedEngine(model, max_batch=max(batch_sizes),
                             max_len=args.prompt_len + args.new_tokens, seed=args.seed)
@@ -88,26 +149,35 @@ def main(argv=None) -> dict:
     for batch in batch_sizes:
         prompts = rng.integers(0, cfg.vocab_size, (batch, args.prompt_len))
         runners = {"embedded": _jax_runner(engine, prompts, args.new_tokens),
-                   "hf": _hf_runner(hf_model, torch, prompts, args.new_tokens)}
-        for run in runners.values():
-            run()  # warm-up: compilation, allocator
-        best = {name: (float("inf"), None) for name in runners}
+                   "hf": _hf_runner(hf_model, torch, prompts, args.new_tokens),
+                   "matmul_bound": _bound_runner(model, batch, args.prompt_len,
+                                                 args.new_tokens)}
+        outputs = {name: run() for name, run in runners.items()}  # warm-up: compilation
+        best = {name: float("inf") for name in runners}
         for _ in range(args.repeats):
             for name, run in runners.items():
-                t, out = _best(run, 1)
-                best[name] = min(best[name], (t, out), key=lambda x: x[0])
-        tokens = batch * args.new_tokens
-        tps = {name: tokens / t for name, (t, _) in best.items()}
-        agree = float(np.mean(best["embedded"][1] == best["hf"][1]))
-        rows[str(batch)] = {"embedded_tokens_per_s": round(tps["embedded"], 1),
-                            "hf_tokens_per_s": round(tps["hf"], 1),
-                            "speedup_vs_hf": round(tps["embedded"] / tps["hf"], 2),
-                            "greedy_token_agreement": round(agree, 3)}
+                start = time.perf_counter()
+                out = run()
+                best[name] = min(best[name], time.perf_counter() - start)
+                if name != "matmul_bound":
+                    outputs[name] = out
+        tps = {name: batch * args.new_tokens / t for name, t in best.items()}
+        agree = float(np.mean(outputs["embedded"] == outputs["hf"]))
+        rows[str(batch)] = {
+            "embedded_tokens_per_s": round(tps["embedded"], 1),
+            "hf_tokens_per_s": round(tps["hf"], 1),
+            "matmul_bound_tokens_per_s": round(tps["matmul_bound"], 1),
+            "fraction_of_matmul_bound": round(tps["embedded"] / tps["matmul_bound"], 3),
+            "speedup_vs_hf": round(tps["embedded"] / tps["hf"], 2),
+            "greedy_token_agreement": round(agree, 3)}
         _log(f"batch {batch}: {rows[str(batch)]}")
     engine.close()
-    result = {"model": "tiny", "dtype": "float32", "device": "cpu", "torch_threads":
-              torch.get_num_threads(), "prompt_len": args.prompt_len,
-              "new_tokens": args.new_tokens, "batches": rows}
+    result = {"model": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                        "num_layers": cfg.num_layers, "preset": args.preset},
+              "dtype": cfg.dtype, "device": jax.devices()[0].platform,
+              "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+              "load_average": [round(x, 2) for x in os.getloadavg()],
+              "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batches": rows}
     print(json.dumps(result))
     return result
 

@@ -1,32 +1,44 @@
-"""In-process JAX sampler over the Qwen3 KV cache, with micro-batching of concurrent callers.
+"""In-process JAX sampler over a device-resident Qwen3 KV cache, with continuous batching.
 
-One device batch = one jitted prefill of the padded prompts, then one jitted
-`lax.while_loop` of single-token decode steps that exits as soon as every row has
-hit a stop id or its `max_new_tokens`. Batch size and lengths are rounded up to
-powers of two, so a long run compiles a handful of shapes and then reuses them.
+The keys and values live in one pool on the device, [L, slots, max_len, K, D], made
+once and passed through every jitted call with its buffers donated, so no call
+allocates or copies a cache on the host. A request owns one slot (one row of the
+pool) while it generates.
 
-Concurrent `generate` calls put their requests on an asyncio queue; one batching
-task drains it into device batches of up to `max_batch` rows and runs them on a
-single worker thread, so the event loop (an HTTP server, a rollout of many
-episodes) stays responsive while the device works.
+One scheduler thread runs the device. Each round it admits waiting requests into
+free slots (one jitted prefill of their new tokens), then runs one jitted decode
+chunk: single-token steps over the active rows inside a `lax.while_loop` that stops
+after `chunk_steps` steps or once enough rows have finished (one when requests are
+waiting for a slot). Finished rows' results go back to their callers at once and
+their slots take the next waiting requests, so short requests never wait for the
+longest row of a batch (continuous batching).
 
-Sampling is seeded per request and per position (key = fold_in(PRNGKey(seed), pos)),
-so a request's sample does not depend on what it was batched with.
+Prefill and decode attend only to the filled part of the cache: each call reads the
+rows it serves cut to a window of whole blocks (a power of two of at least
+`min_cache_len`) that covers every position it reads or writes, and stores back only
+the positions it fed.
 
-Prefix cache (as SGLang's radix cache does for a multi-turn agent): the keys and
-values of every finished request's prompt + output are kept on the host, up to a
-token budget, least recently used first out. A request whose prompt extends a kept
-sequence starts from those keys and values and prefills only the new tokens (the
-observation of the last tool call), instead of the whole conversation again. New
-weights empty the cache.
+Row counts and lengths are rounded up to powers of two, so a long run compiles a
+handful of shapes and then reuses them. Sampling is seeded per request and per
+position (key = fold_in(PRNGKey(seed), pos)), so a request's sample does not depend
+on what it was batched with.
+
+Prefix cache (as SGLang's radix cache does for a multi-turn agent): a finished
+request's slot is parked with the ids whose keys and values it holds (prompt and
+output but the last id), up to `prefix_cache_tokens` positions of parked slots, least
+recently used first out. A request whose prompt extends a parked sequence takes that
+slot over and prefills only the new tokens (the observation of the last tool call).
+New weights empty the cache.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
+import contextlib
 import dataclasses
+import functools
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -54,126 +66,114 @@ class _Pending:
     enqueued: float
 
 
-@dataclasses.dataclass(frozen=True)
-class _Batch:
-    """Host arrays of one padded device batch (B rows, prompt bucket P, cache length L)."""
-
-    tokens: np.ndarray        # [B,P] int32, 0 in padding
-    positions: np.ndarray     # [B,P] int32, -1 in padding
-    lengths: np.ndarray       # [B] int32 prompt lengths (1 for padding rows)
-    max_new: np.ndarray       # [B] int32 (1 for padding rows)
-    stop_ids: np.ndarray      # [B,S] int32, -1 padded
-    temperature: np.ndarray   # [B] f32
-    top_p: np.ndarray         # [B] f32
-    top_k: np.ndarray         # [B] int32
-    seeds: np.ndarray         # [B] uint32
-    last: np.ndarray          # [B] int32 index in `tokens` of each prompt's last token
-    cache_len: int
-
-
 @dataclasses.dataclass
-class _Cached:
-    """Keys and values of positions 0..len(ids)-1 of one sequence: [L,len,K,D] each."""
+class _Row:
+    """A request in a slot: its ids so far and where it stands.
 
-    ids: tuple[int, ...]
-    k: np.ndarray
-    v: np.ndarray
+    `ids[:fed]` have keys and values in the slot; ids[fed] is the next one to feed.
+    """
+
+    pending: _Pending
+    slot: int
+    ids: list[int]
+    fed: int
+    cached: int
+    version: int
+    output: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    stopped: bool = False
+    started: float = 0.0
+    prefill_s: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.stopped or len(self.output) >= self.pending.request.max_new_tokens
 
 
 class PrefixCache:
-    """Host-side keys/values of finished sequences, found by longest matching prefix.
+    """Parked slots and the ids whose keys/values they hold, found by longest prefix.
 
     Entries are indexed by (length, hash of the ids); a lookup tries the stored lengths
-    from the longest down. Least recently used entries go first once more than
-    `max_tokens` positions are held.
+    from the longest down. Once more than `max_tokens` positions are parked, the least
+    recently used entries go first; `insert` returns the slots they free.
     """
 
     def __init__(self, max_tokens: int):
         self.max_tokens = int(max_tokens)
         self.tokens = 0
-        self._entries: dict[tuple[int, int], _Cached] = {}  # insertion order = LRU order
+        self._entries: dict[tuple[int, int], tuple[tuple[int, ...], int]] = {}  # LRU order
         self._lengths: dict[int, int] = {}  # length -> number of entries of that length
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def clear(self) -> None:
-        self._entries.clear()
-        self._lengths.clear()
-        self.tokens = 0
-
-    def lookup(self, ids: Sequence[int]) -> _Cached | None:
-        """The longest kept sequence that is a proper prefix of `ids` (at least one id
-        is left to prefill, whose hidden state samples the next token)."""
+    def take(self, ids: Sequence[int]) -> tuple[int, int] | None:
+        """(slot, length) of the longest parked sequence that is a proper prefix of `ids`
+        (at least one id is left to prefill, whose hidden state samples the next token);
+        the entry leaves the cache, as its slot goes on with the request."""
         ids = tuple(ids)
         for n in sorted((n for n in self._lengths if n < len(ids)), reverse=True):
             key = (n, hash(ids[:n]))
             entry = self._entries.get(key)
-            if entry is not None and entry.ids == ids[:n]:
-                self._entries[key] = self._entries.pop(key)  # most recently used
-                return entry
+            if entry is not None and entry[0] == ids[:n]:
+                self._remove(key)
+                return entry[1], n
         return None
 
-    def insert(self, ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
+    def insert(self, ids: Sequence[int], slot: int) -> list[int]:
+        """Parks `slot` holding `ids`; returns the slots no longer parked (evicted, or
+        `slot` itself when it is not kept)."""
         ids = tuple(ids)
-        if not ids or len(ids) > self.max_tokens:
-            return
         key = (len(ids), hash(ids))
-        if key in self._entries:
-            self._entries[key] = self._entries.pop(key)
-            return
-        self._entries[key] = _Cached(ids, k, v)
+        if not ids or len(ids) > self.max_tokens or key in self._entries:
+            return [slot]
+        self._entries[key] = (ids, slot)
         self._lengths[len(ids)] = self._lengths.get(len(ids), 0) + 1
         self.tokens += len(ids)
+        freed = []
         while self.tokens > self.max_tokens:
-            old_key = next(iter(self._entries))
-            self._entries.pop(old_key)
-            self.tokens -= old_key[0]
-            self._lengths[old_key[0]] -= 1
-            if not self._lengths[old_key[0]]:
-                del self._lengths[old_key[0]]
+            freed.append(self._remove(next(iter(self._entries))))
+        return freed
+
+    def evict(self) -> int | None:
+        """The slot of the least recently used entry, which leaves the cache."""
+        return self._remove(next(iter(self._entries))) if self._entries else None
+
+    def clear(self) -> list[int]:
+        """Empties the cache; returns the slots that were parked."""
+        slots = [slot for _, slot in self._entries.values()]
+        self._entries.clear()
+        self._lengths.clear()
+        self.tokens = 0
+        return slots
+
+    def _remove(self, key) -> int:
+        _, slot = self._entries.pop(key)
+        self.tokens -= key[0]
+        self._lengths[key[0]] -= 1
+        if not self._lengths[key[0]]:
+            del self._lengths[key[0]]
+        return slot
 
 
-def _pack(requests: Sequence[GenerateRequest], seeds: Sequence[int], max_batch: int,
-          max_len: int, min_batch: int, min_len: int,
-          cached: Sequence[int] | None = None, min_cache_len: int = 1) -> _Batch:
-    """Pads a device batch; `cached[i]` leading ids of request i are already in the
-    cache, so only the rest of its prompt is fed (at its absolute positions)."""
-    n = len(requests)
-    cached = [0] * n if cached is None else list(cached)
-    rows = bucket(n, max_batch, min_batch) if n <= max_batch else n
-    fed = max(len(r.prompt_ids) - c for r, c in zip(requests, cached, strict=True))
-    prompt_len = bucket(fed, max_len, min_len)
-    total = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
-    cache_len = bucket(max(total, prompt_len), max_len, max(min_len, min_cache_len))
-    n_stop = bucket(max(len(r.stop_token_ids) for r in requests), 1 << 30, 4)
-    b = _Batch(
-        tokens=np.zeros((rows, prompt_len), np.int32),
-        positions=np.full((rows, prompt_len), -1, np.int32),
-        lengths=np.ones((rows,), np.int32),
-        max_new=np.ones((rows,), np.int32),
-        stop_ids=np.full((rows, n_stop), -1, np.int32),
-        temperature=np.zeros((rows,), np.float32),
-        top_p=np.ones((rows,), np.float32),
-        top_k=np.full((rows,), -1, np.int32),
-        seeds=np.zeros((rows,), np.uint32),
-        last=np.zeros((rows,), np.int32),
-        cache_len=cache_len,
-    )
-    for i, (r, seed, c) in enumerate(zip(requests, seeds, cached, strict=True)):
-        t = len(r.prompt_ids)
-        b.tokens[i, :t - c] = r.prompt_ids[c:]
-        b.positions[i, :t - c] = np.arange(c, t)
-        b.lengths[i] = t
-        b.last[i] = t - c - 1
-        b.max_new[i] = r.max_new_tokens
-        b.stop_ids[i, :len(r.stop_token_ids)] = r.stop_token_ids
-        b.temperature[i] = r.temperature
-        b.top_p[i] = r.top_p
-        b.top_k[i] = r.top_k
-        b.seeds[i] = seed
-    b.positions[n:, 0] = 0  # padding rows hold one dummy token so every row has a last position
-    return b
+# ----------------------------------------------------------------------------- device code
+
+
+def _window(pool_k, pool_v, slots, window: int):
+    """Rows `slots` of the pool cut to positions [0, window): [L,R,window,K,D] each.
+    Out-of-range slots (padding rows) read the last slot; their writes are dropped."""
+    read = jnp.minimum(slots, pool_k.shape[1] - 1)
+    return pool_k[:, read, :window], pool_v[:, read, :window]
+
+
+def _write_back(pool_k, pool_v, slots, positions, k, v):
+    """Stores the keys/values of fed positions [R,T] (-1: none) of window caches k, v
+    [L,R,W,K,D] into pool rows `slots`: only what the call wrote is copied back."""
+    rows = jnp.arange(k.shape[1])[:, None]
+    read = jnp.maximum(positions, 0)
+    write = jnp.where(positions >= 0, positions, pool_k.shape[2])  # -1: dropped
+    return (pool_k.at[:, slots[:, None], write].set(k[:, rows, read], mode="drop"),
+            pool_v.at[:, slots[:, None], write].set(v[:, rows, read], mode="drop"))
 
 
 def _sample_at(model, hidden, positions, seeds, temperature, top_p, top_k):
@@ -183,66 +183,78 @@ def _sample_at(model, hidden, positions, seeds, temperature, top_p, top_k):
     return sample_tokens(logits, temperature, top_p, top_k, keys)
 
 
-def _prefill(graphdef, params, cache_k, cache_v, cache_valid, tokens, positions, lengths, last,
-             max_new, stop_ids, temperature, top_p, top_k, seeds):
-    """Prompts -> decode state with the first new token placed at position `lengths`.
+@functools.partial(jax.jit, static_argnames=("graphdef", "window"), donate_argnums=(2, 3))
+def _prefill(graphdef, params, pool_k, pool_v, slots, tokens, positions, start, last,
+             sampling, *, window: int):
+    """Feeds `tokens` [R,P] at `positions` (-1: padding) into rows `slots`, whose
+    positions [0, start) are already filled, and samples the token after index `last`.
 
-    cache_k/v/valid: the cache with any reused prefix already in place; `tokens` are
-    the rest of each prompt at `positions`, the prompt's last one at index `last`.
-    Output buffers out_ids/out_logp [B, cache_len] are indexed by absolute position.
+    sampling: (seeds, temperature, top_p, top_k), [R] each.
+    Returns (pool_k, pool_v, tokens [R], logp [R]).
     """
     model = nnx.merge(graphdef, params)
-    cache_len = cache_valid.shape[1]
-    start = jnp.max(jnp.where(cache_valid, jnp.arange(cache_len) + 1, 0), axis=1)
-    cache = qwen3.KVCache(k=cache_k, v=cache_v, valid=cache_valid, lengths=start)
-    hidden, cache = model.decode(tokens, positions, cache)
+    k, v = _window(pool_k, pool_v, slots, window)
+    valid = jnp.arange(window)[None, :] < start[:, None]
+    hidden, cache = model.decode(tokens, positions, qwen3.KVCache(k, v, valid, start))
     rows = jnp.arange(tokens.shape[0])
-    first, logp = _sample_at(model, hidden[rows, last], lengths, seeds, temperature,
-                             top_p, top_k)
-    out_ids = jnp.zeros((tokens.shape[0], cache_len), jnp.int32).at[rows, lengths].set(first)
-    out_logp = jnp.zeros((tokens.shape[0], cache_len), jnp.float32).at[rows, lengths].set(logp)
-    stopped = jnp.any(first[:, None] == stop_ids, axis=1)
-    done = stopped | (max_new <= 1)
-    return cache, first, lengths, jnp.ones_like(lengths), done, stopped, out_ids, out_logp
+    nxt_pos = positions[rows, last] + 1
+    token, logp = _sample_at(model, hidden[rows, last], nxt_pos, *sampling)
+    pool_k, pool_v = _write_back(pool_k, pool_v, slots, positions, cache.k, cache.v)
+    return pool_k, pool_v, token, logp
 
 
-def _decode(graphdef, params, cache, token, pos, n_new, done, stopped, out_ids, out_logp,
-            max_new, stop_ids, temperature, top_p, top_k, seeds):
-    """Single-token steps until every row is done.
+@functools.partial(jax.jit, static_argnames=("graphdef", "window", "steps"),
+                   donate_argnums=(2, 3))
+def _decode(graphdef, params, pool_k, pool_v, slots, token, pos, remaining, stop_ids, sampling,
+            min_finished, *, window: int, steps: int):
+    """Up to `steps` single-token steps of rows `slots`; stops early once `min_finished`
+    rows have finished (or all have).
 
-    Row b feeds `token[b]` at position `pos[b]` and samples position pos[b] + 1. Finished
-    rows re-feed their last token at the same position (an idempotent cache write), so
-    the loop body has one shape for all rows.
+    Row r feeds token[r] at position pos[r] (positions [0, pos) filled) and samples the
+    token of pos[r] + 1, until it emits a stop id (stop_ids [R,S], -1 padded) or has
+    sampled `remaining[r]` tokens (0: a padding row). Finished rows re-feed their last
+    token at the same position (an idempotent cache write), so every step has one shape.
+    Returns (pool_k, pool_v, out_ids [R,steps], out_logp [R,steps], n_out [R], stopped [R]).
     """
     model = nnx.merge(graphdef, params)
-    rows = jnp.arange(token.shape[0])
-    drop = out_ids.shape[1]
+    k, v = _window(pool_k, pool_v, slots, window)
+    rows = token.shape[0]
+    cache = qwen3.KVCache(k, v, jnp.arange(window)[None, :] < pos[:, None], pos)
+    out_ids = jnp.zeros((rows, steps), jnp.int32)
+    out_logp = jnp.zeros((rows, steps), jnp.float32)
+    n_out = jnp.zeros((rows,), jnp.int32)
+    stopped = jnp.zeros((rows,), bool)
 
     def body(state):
-        cache, token, pos, n_new, done, stopped, out_ids, out_logp = state
+        i, cache, token, pos, n_out, stopped, out_ids, out_logp = state
+        active = (n_out < remaining) & ~stopped
         hidden, cache = model.decode(token[:, None], pos[:, None], cache)
-        nxt, logp = _sample_at(model, hidden[:, 0], pos + 1, seeds, temperature, top_p, top_k)
-        active = ~done
-        slot = jnp.where(active, pos + 1, drop)
-        out_ids = out_ids.at[rows, slot].set(nxt, mode="drop")
-        out_logp = out_logp.at[rows, slot].set(logp, mode="drop")
-        n_new = n_new + active
-        hit = active & jnp.any(nxt[:, None] == stop_ids, axis=1)
-        stopped = stopped | hit
-        done = done | hit | (n_new >= max_new)
+        nxt, logp = _sample_at(model, hidden[:, 0], pos + 1, *sampling)
+        out_ids = out_ids.at[:, i].set(nxt)
+        out_logp = out_logp.at[:, i].set(logp)
+        n_out = n_out + active
+        stopped = stopped | (active & jnp.any(nxt[:, None] == stop_ids, axis=1))
         token = jnp.where(active, nxt, token)
         pos = jnp.where(active, pos + 1, pos)
-        return cache, token, pos, n_new, done, stopped, out_ids, out_logp
+        return i + 1, cache, token, pos, n_out, stopped, out_ids, out_logp
 
-    state = (cache, token, pos, n_new, done, stopped, out_ids, out_logp)
-    state = jax.lax.while_loop(lambda s: ~jnp.all(s[4]), body, state)
-    cache, _, _, n_new, _, stopped, out_ids, out_logp = state
-    return n_new, stopped, out_ids, out_logp, cache.k, cache.v
+    def running(state):
+        i, _, _, _, n_out, stopped = state[:6]
+        live = remaining > 0
+        finished = jnp.sum(live & (stopped | (n_out >= remaining)))
+        return (i < steps) & (finished < jnp.minimum(min_finished, jnp.sum(live)))
+
+    state = (0, cache, token, pos, n_out, stopped, out_ids, out_logp)
+    _, cache, _, _, n_out, stopped, out_ids, out_logp = jax.lax.while_loop(running, body, state)
+    step = jnp.arange(steps)[None, :]
+    fed = jnp.where(step < n_out[:, None], pos[:, None] + step, -1)
+    pool_k, pool_v = _write_back(pool_k, pool_v, slots, fed, cache.k, cache.v)
+    return pool_k, pool_v, out_ids, out_logp, n_out, stopped
 
 
-# Module-level so engines over the same architecture share compiled programs.
-_prefill_jit = jax.jit(_prefill, static_argnames=("graphdef",))
-_decode_jit = jax.jit(_decode, static_argnames=("graphdef",))
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _zeros(shape, dtype):
+    return jnp.zeros(shape, dtype)
 
 
 def _split(model) -> tuple[Any, Any]:
@@ -253,7 +265,7 @@ def _split(model) -> tuple[Any, Any]:
 
 # Constructor options a config's `engine` section may set (absent ones keep the defaults).
 CONFIG_OPTIONS = ("max_batch", "max_len", "min_batch", "min_len", "min_cache_len",
-                  "prefix_cache_tokens")
+                  "prefix_cache_tokens", "chunk_steps")
 
 
 def options_from_config(engine_cfg) -> dict[str, int]:
@@ -265,19 +277,20 @@ class EmbeddedEngine(Engine):
     """Serves a Qwen3 model in this process.
 
     model: an nnx `Qwen3`, or its `(graphdef, params)` from `nnx.split(model, nnx.Param)`.
-    max_batch: most rows in one device batch (more concurrent requests wait a round).
-    max_len: longest prompt + max_new_tokens; also the largest cache bucket.
-    min_batch, min_len: smallest batch / length buckets (fewer shapes to compile).
-    min_cache_len: smallest cache bucket (with a prefix cache, prompts to prefill are
-      short but their caches long; one cache size means fewer shapes to compile).
+    max_batch: most requests generating at once (more wait for a free slot).
+    max_len: longest prompt + max_new_tokens; the length of a slot.
+    min_batch, min_len: smallest row-count / prompt-length buckets (fewer shapes to compile).
+    min_cache_len: smallest attention window (fewer shapes to compile, more positions read).
     seed: draws the seeds of requests that come without one.
-    batch_wait_s: how long the batcher waits after the first request for others to join.
-    prefix_cache_tokens: positions of keys/values kept for prompt reuse (0: no cache).
+    prefix_cache_tokens: positions of keys/values kept parked for prompt reuse (0: no
+      cache); the pool has room for them in whole slots beside the `max_batch` working ones.
+    chunk_steps: most decode steps per device call; requests that arrive meanwhile wait
+      at most this many steps (a finished row ends the call sooner).
     """
 
     def __init__(self, model, *, max_batch: int = 32, max_len: int = 2048, min_batch: int = 1,
-                 min_len: int = 16, seed: int = 0, batch_wait_s: float = 0.002,
-                 prefix_cache_tokens: int = 0, min_cache_len: int = 1):
+                 min_len: int = 16, seed: int = 0, prefix_cache_tokens: int = 0,
+                 min_cache_len: int = 1, chunk_steps: int = 32):
         self.graphdef, self.params = _split(model)
         self.cfg = nnx.merge(self.graphdef, self.params).cfg
         self.vocab_size = int(self.cfg.vocab_size)
@@ -285,15 +298,22 @@ class EmbeddedEngine(Engine):
         self.max_len = int(max_len)
         self.min_batch = min(int(min_batch), self.max_batch)
         self.min_len = min(int(min_len), self.max_len)
-        self.min_cache_len = min(int(min_cache_len), self.max_len)
-        self.batch_wait_s = float(batch_wait_s)
+        self.min_window = min(max(int(min_cache_len), self.min_len), self.max_len)
+        self.chunk_steps = int(chunk_steps)
+        if self.chunk_steps < 1:
+            raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
+        self.num_slots = self.max_batch + -(-int(prefix_cache_tokens) // self.max_len)
+        self.version = 0  # weight updates applied; a row reports the one it started under
         self._seeds = np.random.default_rng(seed)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
-        self._queue: asyncio.Queue | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._worker: asyncio.Task | None = None
+        self._pool: tuple[jax.Array, jax.Array] | None = None
+        self._free = list(range(self.num_slots))[::-1]
+        self._rows: list[_Row] = []
+        self._waiting: list[_Pending] = []
         self._closed = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
+        self._thread.start()
 
     # ------------------------------------------------------------------ protocol
 
@@ -303,43 +323,38 @@ class EmbeddedEngine(Engine):
         for r in requests:
             self._validate(r)
         loop = asyncio.get_running_loop()
-        self._ensure_worker(loop)
         now = time.perf_counter()
-        pending = []
-        for r in requests:
-            seed = r.seed if r.seed is not None else int(self._seeds.integers(2**32))
-            pending.append(_Pending(r, seed, loop.create_future(), now))
-            self._queue.put_nowait(pending[-1])
+        pending = [_Pending(r, r.seed if r.seed is not None else int(self._seeds.integers(2**32)),
+                            loop.create_future(), now) for r in requests]
+        with self._cv:
+            self._waiting.extend(pending)
+            self._cv.notify()
         return list(await asyncio.gather(*(p.future for p in pending)))
 
     async def update_weights(self, params_or_path) -> None:
         if self._closed:
             raise EngineError("EmbeddedEngine is closed")
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self.set_weights, params_or_path)
+        await asyncio.to_thread(self.set_weights, params_or_path)
 
     async def health(self) -> bool:
-        return not self._closed and not (self._worker is not None and self._worker.done()
-                                         and not self._worker.cancelled())
+        return not self._closed and self._thread.is_alive()
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._worker is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(self._worker.cancel)
-        if self._queue is not None:
-            while not self._queue.empty():
-                p = self._queue.get_nowait()
-                if not p.future.done():
-                    p.future.get_loop().call_soon_threadsafe(
-                        _set_result, p.future, GenerateResult([], [], "abort"))
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+            self._cv.notify()
+        for p in waiting:
+            _deliver(p.future, GenerateResult([], [], "abort"))
 
-    # ------------------------------------------------------------------ synchronous API
+    # ------------------------------------------------------------------ weights
 
     def set_weights(self, params_or_path) -> None:
-        """Replaces the served parameters (pytree like the current one, or an HF directory)."""
+        """Replaces the served parameters (pytree like the current one, or an HF directory).
+        Requests generating now go on with the new weights (their results report the
+        version they started under); parked prefixes are dropped."""
         if isinstance(params_or_path, str | os.PathLike):
             from models import hf_io
 
@@ -357,61 +372,14 @@ class EmbeddedEngine(Engine):
             if new.shape != cur.shape:
                 raise ValueError(f"parameter {jax.tree_util.keystr(path)} has shape "
                                  f"{new.shape}, the served model has {cur.shape}")
-        self.params = jax.tree.map(lambda new, cur: jnp.asarray(new, cur.dtype), params,
-                                   self.params)
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()  # keys and values of the old weights
+        params = jax.tree.map(lambda new, cur: jnp.asarray(new, cur.dtype), params, self.params)
+        with self._cv:
+            self.params = params
+            self.version += 1
+            if self.prefix_cache is not None:
+                self._free.extend(self.prefix_cache.clear())  # keys/values of the old weights
 
-    def run_batch(self, requests: Sequence[GenerateRequest],
-                  seeds: Sequence[int]) -> list[GenerateResult]:
-        """Generates for `requests` as one device batch (blocking)."""
-        pc = self.prefix_cache
-        hits = [pc.lookup(r.prompt_ids) if pc is not None else None for r in requests]
-        b = _pack(requests, seeds, self.max_batch, self.max_len, self.min_batch, self.min_len,
-                  cached=[len(h.ids) if h is not None else 0 for h in hits],
-                  min_cache_len=self.min_cache_len)
-        cfg, rows = self.cfg, len(b.lengths)
-        shape = (cfg.num_layers, rows, b.cache_len, cfg.num_kv_heads, cfg.head_dim)
-        cache_k = np.zeros(shape, jnp.dtype(cfg.dtype))
-        cache_v = np.zeros(shape, jnp.dtype(cfg.dtype))
-        cache_valid = np.zeros((rows, b.cache_len), bool)
-        for i, h in enumerate(hits):
-            if h is not None:
-                cache_k[:, i, :len(h.ids)] = h.k
-                cache_v[:, i, :len(h.ids)] = h.v
-                cache_valid[i, :len(h.ids)] = True
-        sampling = (jnp.asarray(b.max_new), jnp.asarray(b.stop_ids), jnp.asarray(b.temperature),
-                    jnp.asarray(b.top_p), jnp.asarray(b.top_k), jnp.asarray(b.seeds))
-        t0 = time.perf_counter()
-        state = _prefill_jit(self.graphdef, self.params, jnp.asarray(cache_k),
-                             jnp.asarray(cache_v), jnp.asarray(cache_valid),
-                             jnp.asarray(b.tokens), jnp.asarray(b.positions),
-                             jnp.asarray(b.lengths), jnp.asarray(b.last), *sampling)
-        jax.block_until_ready(state)
-        t1 = time.perf_counter()
-        out = _decode_jit(self.graphdef, self.params, *state, *sampling)
-        n_new, stopped, out_ids, out_logp = jax.device_get(out[:4])
-        t2 = time.perf_counter()
-        if pc is not None:
-            # Positions 0 .. prompt + n_new - 2 hold keys/values of fed tokens (the last
-            # sampled token was never fed).
-            cache_k, cache_v = jax.device_get(out[4:])
-        results = []
-        for i, r in enumerate(requests):
-            start, stop = b.lengths[i], b.lengths[i] + n_new[i]
-            results.append(GenerateResult(
-                output_ids=out_ids[i, start:stop].tolist(),
-                logprobs=out_logp[i, start:stop].tolist(),
-                finish_reason="stop" if stopped[i] else "length",
-                timings={"prefill_s": t1 - t0, "decode_s": t2 - t1},
-                cached_tokens=len(hits[i].ids) if hits[i] is not None else 0))
-            if pc is not None:
-                n = stop - 1
-                pc.insert((*r.prompt_ids, *results[-1].output_ids)[:n],
-                          cache_k[:, i, :n].copy(), cache_v[:, i, :n].copy())
-        return results
-
-    # ------------------------------------------------------------------ batching
+    # ------------------------------------------------------------------ scheduler
 
     def _validate(self, r: GenerateRequest) -> None:
         if len(r.prompt_ids) + r.max_new_tokens > self.max_len:
@@ -421,39 +389,181 @@ class EmbeddedEngine(Engine):
             raise ValueError(f"prompt token id {max(r.prompt_ids)} is outside the vocabulary "
                              f"(size {self.vocab_size})")
 
-    def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._loop is loop and self._worker is not None and not self._worker.done():
-            return
-        self._loop = loop
-        self._queue = asyncio.Queue()
-        self._worker = loop.create_task(self._serve())
-
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
+    def _serve(self) -> None:
+        """The scheduler thread: admit, prefill, decode a chunk, hand out finished rows."""
         while True:
-            batch = [await self._queue.get()]
-            await asyncio.sleep(self.batch_wait_s)
-            while len(batch) < self.max_batch and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            batch = [p for p in batch if not p.future.done()]
-            if not batch:
-                continue
-            start = time.perf_counter()
+            with self._cv:
+                while not (self._closed or self._waiting or self._rows):
+                    self._cv.wait()
+                if self._closed:
+                    break
+                admitted = self._admit()
+                params = self.params  # the weights of self.version, for this whole round
             try:
-                results = await loop.run_in_executor(
-                    self._executor, self.run_batch, [p.request for p in batch],
-                    [p.seed for p in batch])
+                if admitted:
+                    self._prefill(params, admitted)
+                if self._rows:
+                    self._decode(params)
             except Exception as e:  # noqa: BLE001 - every waiting caller must hear of it
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(e)
+                self._fail(e, admitted)
+        for row in self._rows:
+            _deliver(row.pending.future, GenerateResult([], [], "abort"))
+        self._rows = []
+
+    def _admit(self) -> list[_Row]:
+        """Waiting requests -> rows in slots, as many as `max_batch` allows (lock held)."""
+        admitted = []
+        while self._waiting and len(self._rows) + len(admitted) < self.max_batch:
+            p = self._waiting.pop(0)
+            if p.future.done():  # the caller went away
                 continue
-            for p, res in zip(batch, results, strict=True):
-                res.timings["queue_s"] = start - p.enqueued
-                if not p.future.done():
-                    p.future.set_result(res)
+            ids = list(p.request.prompt_ids)
+            hit = self.prefix_cache.take(ids) if self.prefix_cache is not None else None
+            if hit is not None:
+                slot, cached = hit
+            else:
+                if not self._free:
+                    self._free.append(self.prefix_cache.evict())
+                slot, cached = self._free.pop(), 0
+            admitted.append(_Row(p, slot, ids, cached, cached, self.version,
+                                 started=time.perf_counter()))
+        return admitted
+
+    def _pool_arrays(self) -> tuple[jax.Array, jax.Array]:
+        if self._pool is None:
+            c = self.cfg
+            shape = (c.num_layers, self.num_slots, self.max_len, c.num_kv_heads, c.head_dim)
+            self._pool = (_zeros(shape, jnp.dtype(c.dtype)), _zeros(shape, jnp.dtype(c.dtype)))
+        return self._pool
+
+    def _sampling(self, rows: Sequence[_Row], n: int):
+        """(seeds, temperature, top_p, top_k) of `rows`, padded to n rows."""
+        reqs = [r.pending.request for r in rows]
+        pad = n - len(rows)
+        return (jnp.asarray([r.pending.seed for r in rows] + [0] * pad, jnp.uint32),
+                jnp.asarray([q.temperature for q in reqs] + [0.0] * pad, jnp.float32),
+                jnp.asarray([q.top_p for q in reqs] + [1.0] * pad, jnp.float32),
+                jnp.asarray([q.top_k for q in reqs] + [-1] * pad, jnp.int32))
+
+    def _prefill(self, params, rows: list[_Row]) -> None:
+        n = bucket(len(rows), self.max_batch, self.min_batch)
+        fed = max(len(r.ids) - r.fed for r in rows)
+        width = bucket(fed, self.max_len, self.min_len)
+        window = bucket(max(len(r.ids) for r in rows), self.max_len, self.min_window)
+        tokens = np.zeros((n, width), np.int32)
+        positions = np.full((n, width), -1, np.int32)
+        positions[len(rows):, 0] = 0  # padding rows hold one dummy token (writes dropped)
+        slots = np.full(n, self.num_slots, np.int32)
+        for i, r in enumerate(rows):
+            tokens[i, :len(r.ids) - r.fed] = r.ids[r.fed:]
+            positions[i, :len(r.ids) - r.fed] = np.arange(r.fed, len(r.ids))
+            slots[i] = r.slot
+        last = np.array([len(r.ids) - r.fed - 1 for r in rows] + [0] * (n - len(rows)), np.int32)
+        start = np.array([r.fed for r in rows] + [0] * (n - len(rows)), np.int32)
+        t0 = time.perf_counter()
+        pool_k, pool_v = self._pool_arrays()
+        self._pool = None  # donated: a failed call leaves no stale arrays behind
+        pool_k, pool_v, token, logp = _prefill(
+            self.graphdef, params, pool_k, pool_v, jnp.asarray(slots), jnp.asarray(tokens),
+            jnp.asarray(positions), jnp.asarray(start), jnp.asarray(last),
+            self._sampling(rows, n), window=window)
+        self._pool = (pool_k, pool_v)
+        token, logp = jax.device_get((token, logp))
+        elapsed = time.perf_counter() - t0
+        for i, r in enumerate(rows):
+            r.fed, r.prefill_s = len(r.ids), elapsed
+            self._append(r, [int(token[i])], [float(logp[i])])
+        self._rows.extend(rows)
+        self._finish()
+
+    def _decode(self, params) -> None:
+        rows, steps = self._rows, self.chunk_steps
+        n = bucket(len(rows), self.max_batch, self.min_batch)
+        pad = n - len(rows)
+        remaining = [r.pending.request.max_new_tokens - len(r.output) for r in rows]
+        window = bucket(max(r.fed + min(steps, m) for r, m in zip(rows, remaining, strict=True)),
+                        self.max_len, self.min_window)
+        n_stop = bucket(max(len(r.pending.request.stop_token_ids) for r in rows), 1 << 30, 4)
+        stop_ids = np.full((n, n_stop), -1, np.int32)
+        for i, r in enumerate(rows):
+            stop = r.pending.request.stop_token_ids
+            stop_ids[i, :len(stop)] = stop
+        pool_k, pool_v = self._pool_arrays()
+        self._pool = None
+        pool_k, pool_v, out_ids, out_logp, n_out, _ = _decode(
+            self.graphdef, params, pool_k, pool_v,
+            jnp.asarray([r.slot for r in rows] + [self.num_slots] * pad, jnp.int32),
+            jnp.asarray([r.ids[r.fed] for r in rows] + [0] * pad, jnp.int32),
+            jnp.asarray([r.fed for r in rows] + [0] * pad, jnp.int32),
+            jnp.asarray(remaining + [0] * pad, jnp.int32), jnp.asarray(stop_ids),
+            self._sampling(rows, n), jnp.int32(self._finish_quota(len(rows))),
+            window=window, steps=steps)
+        self._pool = (pool_k, pool_v)
+        out_ids, out_logp, n_out = jax.device_get((out_ids, out_logp, n_out))
+        for i, r in enumerate(rows):
+            r.fed += int(n_out[i])
+            self._append(r, out_ids[i, :n_out[i]].tolist(), out_logp[i, :n_out[i]].tolist())
+        self._finish()
+
+    def _finish_quota(self, rows: int) -> int:
+        """Finished rows that end a decode call: one when requests wait for a slot (it
+        goes to them at once), else a quarter of the rows (each call's end reads the
+        rows' caches again; their results wait a few steps)."""
+        return 1 if self._waiting else max(1, rows // 4)
+
+    def _append(self, row: _Row, ids: list[int], logprobs: list[float]) -> None:
+        stops = row.pending.request.stop_token_ids
+        row.output += ids
+        row.logprobs += logprobs
+        row.ids += ids
+        row.stopped = bool(ids) and ids[-1] in stops
+
+    def _finish(self) -> None:
+        """Hands out finished rows' results and parks (or frees) their slots."""
+        done = [r for r in self._rows if r.done]
+        if not done:
+            return
+        self._rows = [r for r in self._rows if not r.done]
+        now = time.perf_counter()
+        with self._cv:
+            for r in done:
+                if self.prefix_cache is not None:
+                    # ids[:fed] have keys/values: the prompt and all but the last output id.
+                    self._free.extend(self.prefix_cache.insert(r.ids[:r.fed], r.slot))
+                else:
+                    self._free.append(r.slot)
+        for r in done:
+            _deliver(r.pending.future, GenerateResult(
+                output_ids=r.output, logprobs=r.logprobs,
+                finish_reason="stop" if r.stopped else "length",
+                timings={"prefill_s": r.prefill_s,
+                         "decode_s": now - r.started - r.prefill_s,
+                         "queue_s": r.started - r.pending.enqueued},
+                cached_tokens=r.cached, policy_version=r.version))
+
+    def _fail(self, error: Exception, admitted: list[_Row]) -> None:
+        """A device call failed: its rows' callers get the error; the pool starts afresh."""
+        rows = self._rows + [r for r in admitted if all(r is not x for x in self._rows)]
+        self._rows = []
+        with self._cv:
+            self._pool = None
+            self._free = list(range(self.num_slots))[::-1]
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+        for r in rows:
+            _deliver(r.pending.future, error)
 
 
-def _set_result(future: asyncio.Future, result) -> None:
-    if not future.done():
-        future.set_result(result)
+def _deliver(future: asyncio.Future, result) -> None:
+    """Sets a caller's future from the scheduler thread (an exception fails it)."""
+
+    def put():
+        if future.done():
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # a closed event loop: nobody is waiting
+        future.get_loop().call_soon_threadsafe(put)

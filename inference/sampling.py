@@ -1,9 +1,19 @@
-"""Per-row token sampling: temperature, top-k, top-p, greedy; SGLang-convention log-probs."""
+"""Per-row token sampling: temperature, top-k, top-p, greedy; SGLang-convention log-probs.
+
+Decoding a small model is bound by what runs over the vocabulary per row, so each
+path does only what its rows need: greedy rows take a first-index argmax; sampled
+rows draw one uniform each and invert the CDF blockwise (block sums, then one
+block's cumulative sum) instead of drawing noise for every token; truncated rows
+(top-k / top-p) sample among the `candidates` largest logits whenever those hold
+the whole kept set, and fall back to a full sort only when they do not.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+_BLOCK = 128  # tokens per block of the blockwise inverse CDF
 
 
 def truncation_mask(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
@@ -27,24 +37,93 @@ def truncation_mask(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> ja
     return scaled >= threshold
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """argmax over the last axis, the first index on ties: [B,V] -> [B] int32.
+
+    A max and a min over indices (two plain reductions), which XLA's CPU backend runs
+    several times faster than its variadic argmax reduction.
+    """
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1).astype(jnp.int32)
+
+
+def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
+    """Index j with P(j) = w_j / sum(w): the first j whose cumulative weight exceeds u * sum(w).
+
+    weights[B,V] >= 0 (some positive per row); u[B] in [0, 1). Blockwise: the block is
+    found from cumulative block sums, the index from that block's cumulative sum, so
+    only V / 128 + 128 prefix sums are taken per row. Returns [B] int32.
+    """
+    rows, vocab = weights.shape
+    pad = -vocab % _BLOCK
+    blocks = jnp.pad(weights, ((0, 0), (0, pad))).reshape(rows, -1, _BLOCK)
+    block_sum = blocks.sum(axis=-1)
+    block_cdf = jnp.cumsum(block_sum, axis=-1)
+    threshold = u * block_cdf[:, -1]
+    block = jnp.minimum(jnp.sum(block_cdf <= threshold[:, None], axis=-1), block_sum.shape[1] - 1)
+    before = jnp.take_along_axis(block_cdf - block_sum, block[:, None], axis=-1)[:, 0]
+    inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+    inner_cdf = before[:, None] + jnp.cumsum(inner, axis=-1)
+    index = jnp.minimum(jnp.sum(inner_cdf <= threshold[:, None], axis=-1), _BLOCK - 1)
+    return jnp.minimum(block * _BLOCK + index, vocab - 1).astype(jnp.int32)
+
+
+def _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates: int):
+    """Top-k / top-p sampling; among the `candidates` largest logits when they hold the
+    kept set of every `truncated` row, else over the fully sorted vocabulary."""
+    vocab = scaled.shape[-1]
+    values, index = jax.lax.top_k(scaled, min(candidates, vocab))
+    c = values.shape[-1]
+    k = jnp.where(top_k < 1, vocab, jnp.minimum(top_k, vocab))
+    in_k = jnp.arange(c)[None, :] < k[:, None]
+    # Renormalised over the top k: within the candidates when k <= c; over the whole
+    # vocabulary when top-k is off (k = V).
+    norm = jnp.where(k <= c, jax.nn.logsumexp(jnp.where(in_k, values, -jnp.inf), axis=-1), lse)
+    probs = jnp.where(in_k, jnp.exp(values - norm[:, None]), 0.0)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_k & (mass_before < top_p[:, None])
+    covered = ~truncated | (k <= c) | ((k >= vocab) & (jnp.sum(probs, axis=-1) >= top_p))
+
+    def among_candidates():
+        pick = inverse_cdf(jnp.where(keep, probs, 0.0), u)
+        return jnp.take_along_axis(index, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+    def over_vocabulary():
+        full = truncation_mask(scaled, top_p, top_k)
+        return inverse_cdf(jnp.where(full, jnp.exp(scaled - lse[:, None]), 0.0), u)
+
+    return jax.lax.cond(jnp.all(covered), among_candidates, over_vocabulary)
+
+
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                  top_k: jax.Array, keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+                  top_k: jax.Array, keys: jax.Array,
+                  candidates: int = 64) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row.
 
     logits[B,V] f32; temperature[B] (0 = greedy); top_p[B]; top_k[B]; keys[B] PRNG keys.
-    Sampling is Gumbel-max over the truncated logits / temperature. The log-prob is
+    A sampled row draws u ~ U[0, 1) from its key and takes the token where the CDF of
+    the (truncated) softmax(logits / t) crosses u. The log-prob is
     log_softmax(logits / t)[token] over the full vocabulary (t = 1 when greedy),
     which is what SGLang reports and what the learner recomputes.
     Returns (tokens[B] int32, logp[B] f32).
     """
     greedy = temperature <= 0.0
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    logp_all = jax.nn.log_softmax(scaled, axis=-1)
-    truncate = jnp.any((top_p < 1.0) | (top_k > 0))
-    keep = jax.lax.cond(truncate, truncation_mask, lambda s, p, k: jnp.ones(s.shape, bool),
-                        scaled, top_p, top_k)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, scaled.shape[-1:]))(keys)
-    sampled = jnp.argmax(jnp.where(keep, scaled + gumbel, -jnp.inf), axis=-1)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    logp = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+    lse = jax.nn.logsumexp(scaled, axis=-1)
+    best = first_argmax(logits)
+
+    def draw():
+        u = jax.vmap(jax.random.uniform)(keys)
+        truncated = ~greedy & ((top_p < 1.0) | (top_k > 0))
+        plain = inverse_cdf(jnp.exp(scaled - lse[:, None]), u)
+        cut = jax.lax.cond(
+            jnp.any(truncated),
+            lambda: _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates),
+            lambda: plain)
+        return jnp.where(truncated, cut, plain)
+
+    tokens = jax.lax.cond(jnp.all(greedy), lambda: best, draw)
+    tokens = jnp.where(greedy, best, tokens)
+    logp = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse
     return tokens, logp

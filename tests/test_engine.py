@@ -1,6 +1,7 @@
 """EmbeddedEngine against the full forward pass, the log-prob kernel and a naive sampler."""
 
 import asyncio
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from flax import nnx
 
 from inference.embedded import EmbeddedEngine
 from inference.engine import GenerateRequest
-from inference.sampling import sample_tokens, truncation_mask
+from inference.sampling import first_argmax, inverse_cdf, sample_tokens, truncation_mask
 from kernels.logprob.api import token_logprobs
 from models.qwen3 import Qwen3, Qwen3Config
 
@@ -35,7 +36,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    eng = EmbeddedEngine(model, max_batch=32, max_len=64, min_len=32, seed=0)
+    eng = EmbeddedEngine(model, max_batch=32, max_len=64, min_batch=8, min_len=32,
+                         min_cache_len=64, seed=0)
     yield eng
     eng.close()
 
@@ -152,6 +154,21 @@ def test_concurrent_callers_get_their_own_results(engine):
     assert any(b.finish_reason == "stop" for (b,) in batched)
 
 
+def test_short_request_returns_while_a_long_one_runs(model):
+    """Continuous batching: a row that finishes hands its result back (and its slot on)
+    without waiting for the longest row of its batch."""
+    with EmbeddedEngine(model, max_batch=4, max_len=64, min_len=16, min_cache_len=64,
+                        chunk_steps=2) as eng:
+        async def both():
+            long = asyncio.ensure_future(eng.generate([GenerateRequest(prompt(6, 4), 56)]))
+            short = asyncio.ensure_future(eng.generate([GenerateRequest(prompt(7, 4), 2)]))
+            done, _ = await asyncio.wait([long, short], return_when=asyncio.FIRST_COMPLETED)
+            assert done == {short} and not long.done()
+            return (await long)[0]
+
+        assert len(run(both()).output_ids) == 56
+
+
 def test_update_weights_from_params_and_hf_dir(model, tmp_path):
     from models import hf_io
 
@@ -163,7 +180,8 @@ def test_update_weights_from_params_and_hf_dir(model, tmp_path):
         expected = run(ref.generate(reqs))[0].output_ids
         assert before != expected
         run(eng.update_weights(nnx.state(other, nnx.Param)))
-        assert run(eng.generate(reqs))[0].output_ids == expected
+        (after,) = run(eng.generate(reqs))
+        assert after.output_ids == expected and after.policy_version == 1
         hf_io.save_hf(model, CFG, str(tmp_path / "hf"))
         run(eng.update_weights(str(tmp_path / "hf")))
         assert run(eng.generate(reqs))[0].output_ids == before
@@ -221,21 +239,18 @@ def test_prefix_cache_reuses_turns_and_changes_no_output(model, temperature):
 def test_prefix_cache_lookup_and_lru_budget():
     from inference.embedded import PrefixCache
 
-    def kv(n):
-        return np.full((1, n, 1, 1), float(n)), np.zeros((1, n, 1, 1))
-
     pc = PrefixCache(max_tokens=10)
-    pc.insert([1, 2, 3], *kv(3))
-    pc.insert([1, 2, 3, 4, 5], *kv(5))
-    assert pc.lookup([1, 2, 3, 4, 5, 6]).ids == (1, 2, 3, 4, 5)  # the longest match
-    assert pc.lookup([1, 2, 3, 4, 5]).ids == (1, 2, 3)  # one id must stay to prefill
-    assert pc.lookup([1, 2, 9, 9]) is None and pc.lookup([2, 3, 4, 5]) is None
-    pc.insert([7, 8, 9, 10], *kv(4))  # 12 > 10 tokens: the least recently used goes
-    assert pc.tokens == 7 and len(pc) == 2  # [1..5] was used before [1, 2, 3]
-    assert pc.lookup([1, 2, 3, 4, 5, 6]).ids == (1, 2, 3)
-    assert pc.lookup([1, 2, 3, 0]).k[0, 0, 0, 0] == 3.0
-    pc.insert(list(range(11)), *kv(11))  # longer than the budget: not kept
-    assert pc.tokens == 7
+    assert pc.insert([1, 2, 3], 0) == [] and pc.insert([1, 2, 3, 4, 5], 1) == []
+    assert pc.take([1, 2, 3, 4, 5]) == (0, 3)  # one id must stay to prefill
+    assert pc.take([1, 2, 3, 4, 5]) is None  # the slot went on with the request
+    assert pc.insert([1, 2, 3], 0) == []
+    assert pc.take([1, 2, 9, 9]) is None and pc.take([2, 3, 4, 5]) is None
+    assert pc.insert([7, 8, 9, 10], 2) == [1]  # 12 > 10 tokens: the least recently used goes
+    assert pc.tokens == 7 and len(pc) == 2
+    assert pc.take([1, 2, 3, 4, 5, 6]) == (0, 3)  # the longest match left
+    assert pc.insert(list(range(11)), 3) == [3]  # longer than the budget: not kept
+    assert pc.evict() == 2 and pc.evict() is None and pc.tokens == 0
+    assert pc.insert([5], 4) == [] and pc.clear() == [4] and len(pc) == 0
 
 
 def test_bad_requests_are_named(engine):
@@ -278,11 +293,23 @@ def test_truncation_mask_matches_naive():
         np.testing.assert_array_equal(got[i], _naive_keep(logits[i], top_p[i], top_k[i]))
 
 
-def test_sample_frequencies_follow_truncated_softmax():
+def test_argmax_and_inverse_cdf_match_numpy():
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 4, (50, 300)).astype(np.float32)  # many ties: the first index wins
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, -1))
+    w = rng.random((50, 300)).astype(np.float32) * (rng.random((50, 300)) < 0.3)
+    u = rng.random(50).astype(np.float32)
+    want = [np.searchsorted(np.cumsum(w[i]), u[i] * w[i].sum(), side="right") for i in range(50)]
+    np.testing.assert_array_equal(np.asarray(inverse_cdf(jnp.asarray(w), jnp.asarray(u))), want)
+
+
+@pytest.mark.parametrize("candidates", [64, 2])  # 2: top-k 3 / top-p 0.8 need the full sort
+def test_sample_frequencies_follow_truncated_softmax(candidates):
     n, logits = 20000, np.array([2.0, 1.5, 1.0, 0.0, -1.0, -3.0], np.float32)
     keys = jax.random.split(jax.random.PRNGKey(0), n)
+    sample = jax.jit(functools.partial(sample_tokens, candidates=candidates))
     for temperature, top_p, top_k in [(1.0, 1.0, -1), (0.5, 1.0, 3), (1.3, 0.8, -1)]:
-        tokens, logp = jax.jit(sample_tokens)(
+        tokens, logp = sample(
             jnp.tile(logits, (n, 1)), jnp.full(n, temperature), jnp.full(n, top_p),
             jnp.full(n, top_k, jnp.int32), keys)
         scaled = logits / temperature

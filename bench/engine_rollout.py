@@ -1,0 +1,145 @@
+"""The default's rollout phase on the embedded engine of an earlier commit and of this tree.
+
+    python -m bench.engine_rollout [--old 630a893 | --old DIR] [--rounds 3] [--seed 0]
+
+Both engines serve the same model (the default config's tiny Qwen3, randomly
+initialised from --seed, so turns run to their token budget rather than a learned
+tool call) with the default's engine options, to the same `Agent`, local sandboxes and
+jobs: one RL step's rollout phase, `batch_tasks` train tasks x `group_size` rollouts,
+as `train.py` collects it. The old engine's code is read from git (`git show
+<old>:inference/embedded.py` and its `sampling.py`) and imported beside this tree's.
+Each round runs the phase once per engine, the order alternating so machine load
+affects both alike; round 0 includes compilation and is reported apart. tokens/s is
+generated tokens over the phase's wall time, as the per-step console line counts it.
+
+Prints one JSON object; progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from configs.common import load_config
+from inference.embedded import EmbeddedEngine, options_from_config
+from models import sharding
+from rl import setup
+from rl.rollout import Agent, RolloutConfig, RolloutJob, collect_groups
+
+
+def _log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def _old_source(old: str, name: str) -> str:
+    if os.path.isdir(old):
+        with open(os.path.join(old, f"{name}.py")) as f:
+            return f.read()
+    return subprocess.run(["git", "show", f"{old}:inference/{name}.py"], check=True,
+                          capture_output=True, text=True).stdout
+
+
+def old_engine_class(old: str, root: str):
+    """EmbeddedEngine of `old` (a commit, or a folder with copies of its embedded.py and
+    sampling.py), imported as package `engine_old` under `root`."""
+    package = os.path.join(root, "engine_old")
+    os.makedirs(package, exist_ok=True)
+    open(os.path.join(package, "__init__.py"), "w").close()
+    for name in ("embedded", "sampling"):
+        src = _old_source(old, name).replace("from inference.sampling import",
+                                             "from .sampling import")
+        with open(os.path.join(package, f"{name}.py"), "w") as f:
+            f.write(src)
+    sys.path.insert(0, root)
+    return importlib.import_module("engine_old.embedded").EmbeddedEngine
+
+
+async def rollout_phase(agent: Agent, jobs, group_size: int) -> dict:
+    t0 = time.perf_counter()
+    groups = await collect_groups(agent, jobs, group_size)
+    wall = time.perf_counter() - t0
+    trajs = [t for g in groups for t in g]
+    tokens = sum(t.num_generated_tokens for t in trajs)
+    m = setup.rollout_metrics(trajs, groups)
+    return {"rollout_s": round(wall, 2), "generated_tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 1),
+            "env_errors": int(m["rollout/env_errors"]),
+            "first_env_error": next((t.error for t in trajs if t.is_env_error), None),
+            "env_share": round(m["time/env_s_sum"] / max(
+                m["time/env_s_sum"] + m["time/generate_s_sum"], 1e-9), 3)}
+
+
+async def run(args) -> dict:
+    config = load_config("configs/default.py")
+    batch_tasks = args.tasks or config.batch_tasks
+    group_size = args.group_size or config.group_size
+    train_tasks, _ = setup.tasks(config.env)
+    workdir = tempfile.mkdtemp(prefix="engine_rollout_")
+    tokenizer = setup.tokenizer(config, workdir, train_tasks)
+    model_cfg = setup.model_config(config.model, tokenizer.vocab_size)
+    model = setup.model(config.model, model_cfg, sharding.make_mesh(**config.mesh), args.seed)
+    weights = nnx.split(model, nnx.Param)
+    options = {**options_from_config(config.engine),
+               **{k: int(v) for k, v in (o.split("=") for o in args.option)}}
+    old_cls = old_engine_class(args.old, workdir)
+    old_options = {k: v for k, v in options.items() if k in old_cls.__init__.__code__.co_varnames}
+    engines = {"old": old_cls(weights, seed=args.seed, **old_options),
+               "new": EmbeddedEngine(weights, seed=args.seed, **options)}
+    factory = setup.sandbox_factory(config.env)
+    agents = {name: Agent(engine, tokenizer, factory, RolloutConfig(**config.rollout),
+                          max_concurrent_envs=config.env.max_concurrent,
+                          tools_in_prompt=config.env.tools_in_prompt)
+              for name, engine in engines.items()}
+    rng = np.random.default_rng(args.seed)
+    rounds = []
+    for r in range(args.rounds):
+        picks = rng.choice(len(train_tasks), batch_tasks, replace=False)
+        jobs = [RolloutJob(train_tasks[i], seed=int(rng.integers(2**31))) for i in picks]
+        order = list(agents) if r % 2 == 0 else list(agents)[::-1]
+        row = {}
+        for name in order:
+            row[name] = await rollout_phase(agents[name], jobs, group_size)
+            _log(f"round {r} {name}: {row[name]}")
+        rounds.append(row)
+    for engine in engines.values():
+        await engine.aclose()
+    steady = rounds[1:] or rounds
+    tps = {name: float(np.mean([row[name]["tokens_per_s"] for row in steady]))
+           for name in engines}
+    old, new = tps["old"], tps["new"]
+    return {"old_commit": args.old, "engine_options": options, "model_params": sum(
+                x.size for x in jax.tree.leaves(weights[1])),
+            "phase": f"{batch_tasks} tasks x {group_size} rollouts",
+            "rounds": rounds, "steady_tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
+            "speedup": round(new / old, 2), "cpus": os.cpu_count(),
+            "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--old", default="630a893",
+                   help="the old engine: a commit, or a folder with its embedded.py, sampling.py")
+    p.add_argument("--rounds", type=int, default=3, help="phases per engine (round 0 compiles)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--option", action="append", default=[],
+                   help="KEY=VALUE engine option over the config's (both engines, where known)")
+    p.add_argument("--tasks", type=int, default=0, help="tasks per phase (0: the default's)")
+    p.add_argument("--group-size", type=int, default=0, help="rollouts per task (0: the default's)")
+    result = asyncio.run(run(p.parse_args(argv)))
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
