@@ -316,6 +316,7 @@ class SGLangClient(Engine):
                     raise ServerError(f"update_weights_from_disk({path}) failed: {answer!r}")
                 server.version = version
                 server.reloads += 1
+                server.down_until = 0.0
             except (ServerError, EngineError) as e:
                 self._mark_down(server, e)
                 raise
