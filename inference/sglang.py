@@ -126,7 +126,7 @@ class _Server:
     last_error: str = ""
     version: int = 0  # weight version loaded (0: the weights it started with)
     reloads: int = 0
-    aborts: int = 0  # times the client aborted its requests for a reload
+    reloads_begun: int = 0  # a request aborted after this changed is continued
     lock: asyncio.Lock | None = None  # held while reloading
     open: asyncio.Event | None = None  # cleared while reloading: new requests wait
 
@@ -299,6 +299,7 @@ class SGLangClient(Engine):
             if server.version >= version:
                 return
             gate.clear()
+            server.reloads_begun += 1
             paused = False
             try:
                 if self.sync_mode == "drain":
@@ -307,8 +308,6 @@ class SGLangClient(Engine):
                 elif self.sync_mode == "pause":
                     await self._post(server, "/pause_generation", {"mode": "retract"})
                     paused = True
-                else:
-                    server.aborts += 1
                 body = {"model_path": path, "weight_version": str(version),
                         "abort_all_requests": self.sync_mode == "abort"}
                 answer = await self._post(server, "/update_weights_from_disk", body)
@@ -381,8 +380,8 @@ class SGLangClient(Engine):
         return min(self.servers, key=lambda s: s.down_until)
 
     async def _generate_one(self, req: GenerateRequest) -> GenerateResult:
-        """One request with retries; a request aborted by an "abort" reload is continued
-        from its tokens so far on the new weights."""
+        """One request with retries; a request aborted by a reload is continued from its
+        tokens so far on the new weights."""
         payload = request_payload(req, self.seeded)
         ids, logprobs, version, attempt, start = [], [], None, 0, time.perf_counter()
         while attempt <= self.max_retries:
@@ -392,7 +391,7 @@ class SGLangClient(Engine):
             except (ServerError, EngineError) as e:
                 attempt = await self._failed(server, e, attempt)
                 continue
-            aborts, started_on = server.aborts, server.version
+            begun, started_on = server.reloads_begun, server.version
             server.outstanding += 1
             try:
                 body = await self._post(server, "/generate", payload)
@@ -406,7 +405,8 @@ class SGLangClient(Engine):
             ids, logprobs = ids + part.output_ids, logprobs + part.logprobs
             version = started_on if version is None else version
             left = req.max_new_tokens - len(ids)
-            if part.finish_reason == "abort" and server.aborts != aborts and left > 0:
+            # Aborted by a reload (mode "abort", or a server whose pause aborts): continue.
+            if part.finish_reason == "abort" and server.reloads_begun != begun and left > 0:
                 payload = {**payload, "input_ids": list(req.prompt_ids) + ids,
                            "sampling_params": {**payload["sampling_params"],
                                                "max_new_tokens": left}}
