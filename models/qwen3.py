@@ -327,33 +327,17 @@ def stacked_layers(cfg: Qwen3Config, rngs: nnx.Rngs) -> DecoderLayer:
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
-def _to_words(x: jax.Array) -> jax.Array:
-    """bfloat16 -> its raw uint16 words (other dtypes unchanged). The layer inputs the
-    backward pass keeps are stored as words: XLA's CPU backend, which has no bf16 dots,
-    otherwise keeps the whole [layers, B, T, d] stack in float32, twice the memory."""
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype == jnp.bfloat16 else x
-
-
-def _from_words(x: jax.Array, dtype) -> jax.Array:
-    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
-
-
 def _scan_layers(layers: DecoderLayer, step, carry, xs=None, remat: str = "none"):
     """lax.scan of step(layer, carry, x) -> (carry, y) over the stacked layers."""
     graphdef, state = nnx.split(layers)
 
-    dtype = carry.dtype
-
     def body(carry, inputs):
         layer_state, x = inputs
-        carry, y = step(nnx.merge(graphdef, layer_state), _from_words(carry, dtype), x)
-        return _to_words(carry), y
+        return step(nnx.merge(graphdef, layer_state), carry, x)
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    carry, ys = jax.lax.scan(body, _to_words(carry), (state, xs))
-    return _from_words(carry, dtype), ys
-
+    return jax.lax.scan(body, carry, (state, xs))
 
 
 class Qwen3(nnx.Module):

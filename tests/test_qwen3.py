@@ -111,6 +111,31 @@ def test_remat_gives_same_loss_and_grads(model):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
+@pytest.mark.parametrize("remat", ["full", "save-dots"])
+def test_bfloat16_gradients_reach_every_layer(model, remat):
+    """bf16 compute with f32 parameters (the recipes' numerics): the gradients of the
+    embedding and of the first layer follow the float32 model's."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    cfg16 = dataclasses.replace(CFG, dtype="bfloat16", remat=remat)
+    graphdef16, _ = nnx.split(nnx.eval_shape(lambda: Qwen3(cfg16)), nnx.Param)
+    tokens = jnp.array([[3, 1, 4, 1, 5, 9, 2, 6]], jnp.int32)
+
+    def loss(params, graphdef):
+        m = nnx.merge(graphdef, params)
+        logits = (m(tokens, jnp.arange(8)[None]) @ m.lm_head()).astype(jnp.float32)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[0, :, 2])
+
+    grad = jax.jit(jax.grad(loss), static_argnums=1)
+    g32, g16 = grad(params, graphdef), grad(params, graphdef16)
+    for path in (("embed_tokens", "embedding"), ("layers", "self_attn", "q_proj", "kernel")):
+        a, b = g32, g16
+        for key in path:
+            a, b = a[key], b[key]
+        a, b = np.asarray(a[...]), np.asarray(b[...], np.float32)
+        assert np.abs(a).max() > 0
+        np.testing.assert_allclose(b, a, atol=0.05 * np.abs(a).max())
+
+
 def test_tied_head_is_embedding_transpose():
     m = Qwen3(dataclasses.replace(CFG, tie_word_embeddings=True))
     embedding = np.asarray(m.embed_tokens.embedding[...])
