@@ -379,6 +379,12 @@ class EmbeddedEngine(Engine):
             if self.prefix_cache is not None:
                 self._free.extend(self.prefix_cache.clear())  # keys/values of the old weights
 
+    def flush_cache(self) -> None:
+        """Drops every parked prefix; running requests keep their slots."""
+        with self._cv:
+            if self.prefix_cache is not None:
+                self._free.extend(self.prefix_cache.clear())
+
     # ------------------------------------------------------------------ scheduler
 
     def _validate(self, r: GenerateRequest) -> None:

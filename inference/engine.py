@@ -103,6 +103,10 @@ class Engine(abc.ABC):
     async def update_weights(self, params_or_path: Any) -> None:
         """Serves new weights: a params pytree or a HF safetensors directory."""
 
+    def flush_cache(self) -> None:
+        """Drops every cached prompt prefix (SGLang's /flush_cache); a no-op without one."""
+        return None
+
     def update_stats(self) -> dict[str, float]:
         """Metrics of the last `update_weights` (export and reload times, sizes); {} when
         the engine has none."""

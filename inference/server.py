@@ -20,9 +20,9 @@ As in SGLang: a request longer than the context length answers 400 with SGLang's
 message; while generation is paused new requests wait (this engine cannot hold a
 running request, so "retract" and "in_place" let running requests finish), and
 "abort" ends running ones; a reload while not paused waits for running requests and
-holds new ones. `max_new_tokens` 0 returns the prompt only. Seeds and stop ids are
-range-checked here, so a bad one fails its own request and not the engine batch it
-would have joined.
+holds new ones. `max_new_tokens` 0 returns the prompt only; /flush_cache empties
+the engine's prefix cache. Seeds and stop ids are range-checked here, so a bad one
+fails its own request and not the engine batch it would have joined.
 
 Run: `python -m inference.server --preset tiny --seed 0 --port 30000`, or
 `--model-path HF_DIR`, or `--config WORKDIR/config.json` (the model and engine sections
@@ -314,6 +314,7 @@ class Server:
                                   "message": "Succeeded to update model weights."})
 
     async def flush_cache(self, http: web.Request) -> web.Response:
+        self.engine.flush_cache()
         return web.Response(text="Cache flushed.\n")
 
     async def abort_request(self, http: web.Request) -> web.Response:

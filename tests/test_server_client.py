@@ -278,6 +278,43 @@ def test_sglang_protocol_pause_info_limits_and_range_checks(servers):
         run(overflow())
 
 
+def test_flush_cache_empties_the_engines_prefix_cache(models):
+    """/flush_cache on a server whose engine parks prefixes: the next turn prefills all."""
+    from aiohttp import web
+
+    from inference.server import Server
+
+    engine = EmbeddedEngine(models["a"][0], prefix_cache_tokens=4096, **ENGINE)
+
+    async def go():
+        runner = web.AppRunner(Server(engine).app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with SGLangClient([url]) as client:
+                async def turn(ids):
+                    (res,) = await client.generate([GenerateRequest(ids, 4, temperature=0.0)])
+                    return res
+
+                first = await turn([5, 6, 7])
+                follow_up = [5, 6, 7, *first.output_ids, 9]
+                assert (await turn(follow_up)).cached_tokens > 0
+                assert len(engine.prefix_cache) > 0
+                async with client._http().post(url + "/flush_cache") as r:
+                    assert r.status == 200
+                assert len(engine.prefix_cache) == 0
+                assert (await turn(follow_up)).cached_tokens == 0
+        finally:
+            await runner.cleanup()
+
+    try:
+        run(go())
+    finally:
+        engine.close()
+
+
 def test_no_server_up_names_every_url():
     urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
 
