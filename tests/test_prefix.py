@@ -307,10 +307,12 @@ def test_fixed_ratios_come_from_the_config_on_resume(caplog):
 # ---------------------------------------------------------------- replay through the algorithm
 
 
-def _ps_run(replay: str, corrupt_patch: bool):
-    """One GRPO + Prefix Sampling collect step whose queue holds a prefix task of an
-    expert demonstration (its patch made unappliable if asked), run for real: a tiny
-    random Qwen3 behind the embedded engine, local sandboxes, mini-SWE tasks."""
+def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it():
+    """Two GRPO + Prefix Sampling collect steps whose queue holds a prefix task of an
+    expert demonstration with an unappliable recorded patch, run for real (a tiny random
+    Qwen3 behind the embedded engine, local sandboxes, mini-SWE tasks): with
+    ps.replay="patch" its rollouts are env errors and the step goes on; with "reexec"
+    the patch is never applied, the prefix's tool calls run again."""
     import asyncio
     import dataclasses
 
@@ -330,48 +332,45 @@ def _ps_run(replay: str, corrupt_patch: bool):
     model = Qwen3(Qwen3Config(vocab_size=640, hidden_size=32, intermediate_size=64,
                               num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16),
                   rngs=nnx.Rngs(0))
-    cfg = RolloutConfig(max_steps=6, max_turn_tokens=16, max_response_tokens=2000,
-                        max_context=4096, test_timeout_s=30.0, env_retries=0)
-    engine = EmbeddedEngine(model, max_batch=8, max_len=4096, seed=0)
+    cfg = RolloutConfig(max_steps=4, max_turn_tokens=16, max_response_tokens=1000,
+                        max_context=2048, test_timeout_s=30.0, env_retries=0)
+    engine = EmbeddedEngine(model, max_batch=8, max_len=2048, seed=0)
     factory = setup.sandbox_factory(type("E", (), {"backend": "local", "image": "",
                                                    "local_allow_unisolated": False})())
     agent = Agent(engine, tokenizer, factory, cfg, max_concurrent_envs=4, tools_in_prompt=False)
-    config = ml_collections.ConfigDict(dict(seed=0, batch_tasks=2, group_size=2,
-                                            advantage="grpo", reject_degenerate=True))
-    config.ps = common.prefix_defaults()
-    config.ps.replay = replay
-    algo = algos.GRPOPrefix(algos.Context(config, agent, tasks, score=None))
+
+    def algorithm(replay):
+        config = ml_collections.ConfigDict(dict(seed=0, batch_tasks=2, group_size=2,
+                                                advantage="grpo", reject_degenerate=True))
+        config.ps = common.prefix_defaults()
+        config.ps.replay = replay
+        return algos.GRPOPrefix(algos.Context(config, agent, tasks, score=None))
 
     async def run():
         try:
             source = await agent.demonstrate(
                 tasks[0], setup.expert_actions_text(miniswe.expert_demo(tasks[0])))
             ptask = make_prefix_task(source, 2, "too_hard", step=0)
-            if corrupt_patch:  # the diff restore applies: the last replayed turn's
-                bad = "--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-x\n+y\n"
-                ptask.turns[-1] = dataclasses.replace(ptask.turns[-1], patch=bad)
-            algo.queue.push([ptask])
-            groups = await algo.collect(1)
-            return groups, algo.advantages(1, groups)
+            # The diff restore applies: that of the last replayed turn.
+            bad = "--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-x\n+y\n"
+            ptask.turns[-1] = dataclasses.replace(ptask.turns[-1], patch=bad)
+            out = {}
+            for replay in ("patch", "reexec"):
+                algo = algorithm(replay)
+                algo.queue.push([ptask])
+                groups = await algo.collect(1)
+                out[replay] = groups, algo.advantages(1, groups)
+            return out
         finally:
             agent.close()
             engine.close()
 
-    return asyncio.run(run())
-
-
-def test_unrestorable_prefix_is_an_env_error_and_the_step_goes_on():
-    groups, (kept, advs, metrics) = _ps_run("patch", corrupt_patch=True)
-    prefixed, fresh = groups
+    out = asyncio.run(run())
+    (prefixed, fresh), (kept, advs, metrics) = out["patch"]
     assert all(t.is_env_error and t.reward is None for t in prefixed)
     assert all(not t.is_env_error for t in fresh)
     assert metrics["ps/unscored"] == 1 and len(kept) == len(advs)
-
-
-def test_reexec_replay_restores_by_rerunning_the_tool_calls():
-    # The recorded patch is never applied: the prefix's calls run again.
-    groups, _ = _ps_run("reexec", corrupt_patch=True)
-    prefixed = groups[0]
+    (prefixed, _), _ = out["reexec"]
     assert all(not t.is_env_error and t.prefix is not None for t in prefixed)
     assert all(t.turns[0].replayed and t.turns[1].replayed for t in prefixed)
     with pytest.raises(ValueError, match="replay"):
