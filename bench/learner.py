@@ -14,11 +14,19 @@ Prints one JSON object:
   real_token_fraction  non-padding share when packing an agent-like long tail
                        (lognormal lengths clipped to 200..8000 tokens) into the buckets
   batch_real_token_fraction  the same share for the timed batch
+  dense_tokens_per_s   the same batch and steps with the dense reference attention
+                       ([T, T] scores; --no-dense skips it), timed in the same run
+  vs_dense             tokens_per_s / dense_tokens_per_s
+  packed_attention_flops_ratio  attention work of a 2048-token row packed with 4 equal
+                       segments over one dense causal 2048-token row: key blocks the
+                       kernel visits (kernels.attention.blocks, 128-token blocks) over the
+                       causal blocks of the dense row
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -29,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from configs import common
+from kernels.attention.blocks import block_ranges, visited_pairs
 from models.qwen3 import PRESETS, Qwen3
 from rl import learner
 from rl.batch import pack_arrays
@@ -86,6 +95,32 @@ def dot_flops_per_s(size: int, dtype, repeats: int = 5) -> float:
     return 2.0 * size ** 3 / best
 
 
+def packed_attention_flops_ratio(row_len: int = 2048, segments: int = 4,
+                                 block: int = 128) -> float:
+    """Visited block pairs of a row of `segments` equal segments / of one causal row."""
+    pos = jnp.arange(row_len)[None]
+    ones = jnp.ones((1, row_len), jnp.int32)
+    seg = jnp.repeat(jnp.arange(1, segments + 1), row_len // segments)[None]
+    pairs = lambda s: int(visited_pairs(block_ranges(s, s, pos, pos, block, block)))
+    return pairs(seg) / pairs(ones)
+
+
+def time_steps(model_cfg, cfg, batch, steps: int) -> tuple[float, float]:
+    """(seconds per train step after the first, last loss) of a fresh train state."""
+    graphdef, state = learner.init_train_state(Qwen3(model_cfg, rngs=nnx.Rngs(0)), cfg)
+    train_step = learner.make_train_step(graphdef, cfg)
+    start = time.perf_counter()
+    state, metrics = train_step(state, batch)
+    jax.block_until_ready(metrics)
+    _log(f"attention={model_cfg.attention}: compile + first step "
+         f"{time.perf_counter() - start:.1f}s")
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = train_step(state, batch)
+    jax.block_until_ready((state, metrics))
+    return (time.perf_counter() - start) / steps, float(metrics["loss"])
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", choices=sorted(PRESETS))
@@ -94,6 +129,8 @@ def main(argv=None) -> None:
     parser.add_argument("--micro", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--dot-size", type=int, default=None)
+    parser.add_argument("--no-dense", action="store_true",
+                        help="skip timing the dense reference attention")
     args = parser.parse_args(argv)
 
     # Packing density on the agent-like tail, at the scale of a real RL batch.
@@ -108,7 +145,6 @@ def main(argv=None) -> None:
     cfg = common.learner_defaults()
     cfg.num_microbatches = args.micro
     cfg.optim.lr = 1e-5
-    graphdef, state = learner.init_train_state(Qwen3(model_cfg, rngs=nnx.Rngs(0)), cfg)
 
     # The timed batch: the same tail scaled to the row length, packed to exactly `rows`.
     scale = args.row_len / 8000
@@ -124,16 +160,11 @@ def main(argv=None) -> None:
     _log(f"timed batch: {batch.shape}, {len(chosen)} trajectories, "
          f"real {info.real_token_fraction:.3f}")
 
-    train_step = learner.make_train_step(graphdef, cfg)
-    start = time.perf_counter()
-    state, metrics = train_step(state, batch)
-    jax.block_until_ready(metrics)
-    _log(f"compile + first step: {time.perf_counter() - start:.1f}s")
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        state, metrics = train_step(state, batch)
-    jax.block_until_ready((state, metrics))
-    seconds = (time.perf_counter() - start) / args.steps
+    seconds, loss = time_steps(model_cfg, cfg, batch, args.steps)
+    dense_s = None
+    if not args.no_dense:
+        dense_cfg = dataclasses.replace(model_cfg, attention="reference")
+        dense_s, _ = time_steps(dense_cfg, cfg, batch, args.steps)
 
     tokens_per_s = info.real_tokens / seconds
     flops_per_s = model_flops(model_cfg, [n for _, _, n in info.placements]) / seconds
@@ -148,7 +179,10 @@ def main(argv=None) -> None:
         "real_token_fraction": tail_info.real_token_fraction,
         "tail_rows": tail_info.num_rows, "tail_row_len": tail_info.row_len,
         "batch_real_token_fraction": info.real_token_fraction,
-        "loss": float(metrics["loss"]),
+        "loss": loss,
+        "dense_tokens_per_s": dense_s and info.real_tokens / dense_s,
+        "vs_dense": dense_s and dense_s / seconds,
+        "packed_attention_flops_ratio": packed_attention_flops_ratio(),
     }))
 
 
