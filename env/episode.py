@@ -217,7 +217,7 @@ class Episode:
                 self._reward, self.test_output = result.reward, result.output
                 if result.error:  # the tests never ran: no task outcome
                     self.status, self.error = "env_error", result.error
-            except SandboxError as e:
+            except Exception as e:  # noqa: BLE001 - an unscored episode, never reward 0
                 self._fail(e)
             self._graded = True
         return None if self.status == "env_error" else self._reward
