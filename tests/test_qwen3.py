@@ -200,3 +200,7 @@ def test_config_rejects_bad_values():
         dataclasses.replace(CFG, num_kv_heads=3)
     with pytest.raises(ValueError, match="dtype"):
         dataclasses.replace(CFG, dtype="float16")
+    with pytest.raises(ValueError, match="remat must be one of"):
+        dataclasses.replace(CFG, remat="yes")
+    with pytest.raises(ValueError, match="attention must be one of"):
+        dataclasses.replace(CFG, attention="flash")
