@@ -81,6 +81,7 @@ def test_order_value_before_update_drift_after_it():
     _, adv, m = _step(algo, [[first], [_traj("task1", 0, rng)]], version=1)
     assert adv.tolist() == pytest.approx([np.sqrt(0.5), -np.sqrt(0.5)])  # ddof 1
     assert m["spo/drift_mean"] == 0.0 and m["spo/rho_mean"] == 0.96  # first visits
+    assert m["spo/first_visit_frac"] == 1.0
     alpha1 = 0.96 * 1.0 + 1.0
     assert algo.tracker.values(["task0"])[0] == alpha1 / (alpha1 + 0.96)
     # Revisited at the next step: the advantage uses the value after step 1, and D
@@ -93,7 +94,7 @@ def test_order_value_before_update_drift_after_it():
     assert adv.tolist() == pytest.approx(((a - a.mean()) / a.std(ddof=1)).tolist())
     ids, mask, _ = first.token_arrays()
     D = spo.policy_drift(*score(1, [(ids, mask)]), *score(2, [(ids, mask)]), mask)
-    assert D > 0 and m["spo/drift_mean"] == D / 2
+    assert D > 0 and m["spo/drift_mean"] == D / 2 and m["spo/first_visit_frac"] == 0.5
     rho = spo.rho_from_drift([D])[0]
     assert algo.tracker.alpha[0] == pytest.approx(rho * alpha1, rel=1e-12)
     # ...and the stored response is now the second one, scored after step 2.

@@ -150,9 +150,7 @@ class SPO(Algorithm):
         v_before = self.tracker.values(ids)
         self._pending = (ids, rewards, [t.token_arrays()[:2] for t in scored])
         adv = spo.spo_advantages(rewards, v_before, ddof=self.cfg.adv_std_ddof)
-        return scored, adv, {"spo/v_mean": float(v_before.mean()),
-                             "spo/first_visit_frac": float(np.mean(
-                                 [t not in self.tracker for t in ids]))}
+        return scored, adv, {"spo/v_mean": float(v_before.mean())}
 
     async def after_update(self, step: int, params) -> dict[str, float]:
         """D under the updated params, the tracker update, this step's responses stored."""
@@ -173,7 +171,9 @@ class SPO(Algorithm):
             n = len(logp)  # the packer keeps at most the longest row bucket
             self.tracker.store_response(task_id, tokens[:n], logp, mask[:n])
         return {"spo/drift_mean": float(D.mean()), "spo/rho_mean": float(rho.mean()),
-                "spo/tracked": float(len(self.tracker))}
+                "spo/tracked": float(len(self.tracker)),
+                # samples of prompts with no stored response yet (D = 0 for them)
+                "spo/first_visit_frac": float(np.mean([t not in stored for t in ids]))}
 
     # ------------------------------------------------------------ state
 
