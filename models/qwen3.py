@@ -29,8 +29,9 @@ from kernels.attention import attention
 from models.sharding import constrain_rows
 
 _HF_ARCH = "Qwen3ForCausalLM"
-# Rematerialisation policies by name (None = recompute everything but the layer input).
-REMAT_POLICIES = {"none": None, "full": None,
+# Rematerialisation policies by name (None = recompute everything but the layer input;
+# "nested" is "full" within groups of layers, see _scan_layers).
+REMAT_POLICIES = {"none": None, "full": None, "nested": None,
                   "save-dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "reference")
 
@@ -54,7 +55,9 @@ class Qwen3Config:
     remat: what the backward pass recomputes per layer (not saved to HF): "none" stores
       every activation; "full" stores only each layer's input (memory O(layers * B*T*d));
       "save-dots" also keeps the projections' matmul outputs (recomputes norms, RoPE,
-      attention and activations).
+      attention and activations); "nested" stores only the input of each group of
+      `remat_group(num_layers)` layers and recomputes a group's layer inputs in its backward
+      pass (memory O((layers / group + group) * B*T*d), one more forward pass of the layers).
     attention: kernels.attention implementation: "auto" (blockwise XLA on CPU, Pallas
       elsewhere when it compiles, logged when not), "xla", "pallas" (required) or
       "reference" (dense [T, T] scores).
@@ -327,8 +330,22 @@ def stacked_layers(cfg: Qwen3Config, rngs: nnx.Rngs) -> DecoderLayer:
     return nnx.merge(graphdef, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
 
 
+def remat_group(num_layers: int) -> int:
+    """Layers per group of remat="nested": the divisor g of num_layers that minimises the
+    layer inputs live in the backward pass, num_layers / g group inputs plus the g layer
+    inputs of the group being differentiated (g near sqrt(num_layers); 6 for 36 layers; 1
+    for a prime num_layers, which then saves no memory over "full")."""
+    divisors = [g for g in range(1, num_layers + 1) if num_layers % g == 0]
+    return min(divisors, key=lambda g: (num_layers // g + g, g))
+
+
 def _scan_layers(layers: DecoderLayer, step, carry, xs=None, remat: str = "none"):
-    """lax.scan of step(layer, carry, x) -> (carry, y) over the stacked layers."""
+    """lax.scan of step(layer, carry, x) -> (carry, y) over the stacked layers.
+
+    remat="nested" runs two scans: an outer one over groups of remat_group(L) layers whose
+    body (a scan of the group's layers, each rematerialised) is itself rematerialised, so
+    the forward pass keeps only each group's input.
+    """
     graphdef, state = nnx.split(layers)
 
     def body(carry, inputs):
@@ -337,7 +354,15 @@ def _scan_layers(layers: DecoderLayer, step, carry, xs=None, remat: str = "none"
 
     if remat != "none":
         body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, carry, (state, xs))
+    if remat != "nested":
+        return jax.lax.scan(body, carry, (state, xs))
+    num_layers = jax.tree.leaves(state)[0].shape[0]
+    group = remat_group(num_layers)
+    split = lambda a: a.reshape(num_layers // group, group, *a.shape[1:])
+    group_body = jax.checkpoint(lambda c, inputs: jax.lax.scan(body, c, inputs),
+                                prevent_cse=False)
+    carry, ys = jax.lax.scan(group_body, carry, jax.tree.map(split, (state, xs)))
+    return carry, jax.tree.map(lambda a: a.reshape(num_layers, *a.shape[2:]), ys)
 
 
 class Qwen3(nnx.Module):

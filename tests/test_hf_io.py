@@ -30,9 +30,9 @@ def _torch_logits(torch, hf_model, tokens):
         return hf_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
 
 
-def _hf_model(transformers, tied, heads, kv_heads, head_dim, hidden):
+def _hf_model(transformers, tied, heads, kv_heads, head_dim, hidden, layers=2):
     config = transformers.Qwen3Config(
-        vocab_size=96, hidden_size=hidden, intermediate_size=40, num_hidden_layers=2,
+        vocab_size=96, hidden_size=hidden, intermediate_size=40, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
         rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=tied,
         max_position_embeddings=64)
@@ -61,6 +61,25 @@ def test_logits_match_transformers(torch_ref, tmp_path, tied, heads, kv_heads, h
     tokens = _tokens(cfg.vocab_size)
     ours = np.asarray(_logits(model, jnp.asarray(tokens)))
     np.testing.assert_allclose(ours, _torch_logits(torch, hf_model, tokens), atol=1e-4)
+
+
+def test_nested_remat_matches_transformers_and_saves_exactly(torch_ref, tmp_path):
+    """A 4-layer checkpoint under remat="nested" (2 groups of 2 layers): logits within 1e-4
+    of transformers, and saved back tensor for tensor."""
+    torch, transformers = torch_ref
+    hf_model = _hf_model(transformers, False, 4, 2, 16, 32, layers=4)
+    hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    cfg, model = load_hf(str(tmp_path / "hf"), remat="nested")
+    assert (cfg.num_layers, cfg.remat) == (4, "nested")
+    tokens = _tokens(cfg.vocab_size)
+    ours = np.asarray(_logits(model, jnp.asarray(tokens)))
+    np.testing.assert_allclose(ours, _torch_logits(torch, hf_model, tokens), atol=1e-4)
+    save_hf(model, cfg, str(tmp_path / "ours"))
+    _, again = load_hf(str(tmp_path / "ours"))
+    a, b = _flat(model), _flat(again)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
 
 
 CFG = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=40, num_layers=2,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.qwen3 import PRESETS, Qwen3, Qwen3Config
+from models.qwen3 import PRESETS, Qwen3, Qwen3Config, remat_group
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, rope_theta=10_000.0, tie_word_embeddings=False)
@@ -109,6 +109,36 @@ def test_remat_gives_same_loss_and_grads(model):
     remat = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, graphdef_remat)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(remat), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+
+
+def test_remat_group_is_the_divisor_nearest_sqrt_layers():
+    assert [remat_group(n) for n in (36, 40, 64, 28, 6, 7)] == [6, 5, 8, 4, 2, 1]
+
+
+def test_nested_remat_gives_same_loss_and_grads():
+    """remat="nested" (3 groups of 2 layers) against no remat: the same loss and gradients
+    of every parameter, on a packed row with padding."""
+    cfg = dataclasses.replace(CFG, num_layers=6, attention="reference")  # compiles fastest
+    graphdef, params = nnx.split(Qwen3(cfg, rngs=nnx.Rngs(1)), nnx.Param)
+    nested, full = (nnx.split(nnx.eval_shape(lambda r=remat: Qwen3(dataclasses.replace(
+        cfg, remat=r))), nnx.Param)[0] for remat in ("nested", "full"))
+    tokens = jnp.array([[3, 1, 4, 1, 5, 9, 2, 6, 5, 0]], jnp.int32)
+    positions = jnp.array([[0, 1, 2, 3, 0, 1, 2, 3, 4, 0]], jnp.int32)
+    segments = jnp.array([[1, 1, 1, 1, 2, 2, 2, 2, 2, 0]], jnp.int32)
+
+    def loss(params, graphdef):
+        m = nnx.merge(graphdef, params)
+        logits = m(tokens, positions, segments) @ m.lm_head()
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[0, :, 2])
+
+    jaxpr = lambda g: str(jax.make_jaxpr(loss, static_argnums=1)(params, g))
+    assert jaxpr(nested).count("scan[") == jaxpr(full).count("scan[") + 1  # over the groups
+    assert jaxpr(nested).count("remat") == jaxpr(full).count("remat") + 1
+    plain = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, graphdef)
+    got = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, nested)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(got), strict=True):
+        assert np.abs(np.asarray(a)).max() > 0
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("remat", ["full", "save-dots"])
