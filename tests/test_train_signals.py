@@ -60,7 +60,7 @@ def test_stopped_trainer_leaves_no_container(signum, docker_client, tmp_path):
     try:  # mid-rollout: its sandboxes are alive
         wait_until(lambda: containers_of(docker_client, owner), proc, log_path)
         os.killpg(proc.pid, signum)
-        proc.wait(timeout=120)
+        proc.wait(timeout=300)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -77,5 +77,5 @@ def test_stopped_trainer_leaves_no_container(signum, docker_client, tmp_path):
         assert containers_of(docker_client, owner) == []
     finally:
         os.killpg(rerun.pid, signal.SIGTERM)
-        rerun.wait(timeout=120)
+        rerun.wait(timeout=300)
     assert containers_of(docker_client, rerun_owner) == []

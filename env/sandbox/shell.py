@@ -13,11 +13,11 @@ case "$t" in "$(pwd -P)"/*) ;; *) printf '%s' "$t" >&2; exit 3 ;; esac
 def capped_patch(git: str = "git") -> str:
     """Script: $1 = base commit, $2 = cap in bytes. Prints at most cap + 1 bytes of
     `git diff --binary` (untracked files included): a patch over the cap is never
-    copied out whole. `git` is the command line that runs git. The index's objects are
-    stored uncompressed: they never leave the sandbox, and a large file is added in a
-    fraction of the time."""
+    copied out whole. `git` is the command line that runs git. Objects stay compressed:
+    uncompressed, a file near the per-file size cap would exceed it as a git object, and
+    patch capture would fail where the agent's own write succeeded."""
     return f"""
-{git} -c core.looseCompression=0 add -A || exit $?
+{git} add -A || exit $?
 {git} diff --cached --binary "$1" | head -c "$(($2 + 1))"
 s=("${{PIPESTATUS[@]}}")
 [ "${{s[0]}}" = 0 ] || [ "${{s[0]}}" = 141 ] || exit "${{s[0]}}"  # 141: cut off by head
