@@ -2,6 +2,8 @@
 
   python -m bench.scale                  # the recipes' presets, 8 fake CPU devices
   python -m bench.scale --quick          # qwen3-8b at 2 / 4 layers, 2k / 4k (smoke)
+  python -m bench.scale --key-rows       # only qwen3-8b at 36 layers, 8k and 32k
+  python -m bench.scale --remat full     # every row with this remat policy, not the recipe's
 
 Each row lowers and compiles the full train step of rl.learner (loss, gradients, optimizer
 update; the recipe's learner section with one micro-batch and one row per device) on
@@ -9,12 +11,13 @@ abstract inputs over N fake CPU devices (--xla_force_host_platform_device_count)
 recipe's model numerics (bf16 compute, f32 parameters and Adam state, its remat policy and
 attention implementation) and mesh, and reads the compiled program's memory_analysis().
 Prints one JSON object:
-  rows                [{preset, layers, mesh, row_len, args_gib, temp_gib, total_gib,
-                        compile_s}] per device; total = arguments + temporaries + outputs
+  rows                [{preset, layers, mesh, row_len, remat, args_gib, temp_gib,
+                        total_gib, compile_s}] per device; total = arguments + temporaries + outputs
                        not aliased to (donated) arguments
   total_gib_8b_32k    qwen3-8b, fsdp=8, one 32k row per device: total_gib
   temp_ratio_32k_8k   the same model: temp_gib at 32k over temp_gib at 8k (linear: 4)
-  compile_ratio_36_4  qwen3-8b compile_s at 36 layers over 4 layers (8k rows)
+  compile_ratio_36_4  qwen3-8b compile_s at 36 layers over 4 layers (8k rows; not with
+                       --key-rows)
   peak_host_gib       this process's peak resident memory
 """
 
@@ -39,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from configs import common  # noqa: E402
-from models.qwen3 import PRESETS, Qwen3  # noqa: E402
+from models.qwen3 import PRESETS, REMAT_POLICIES, Qwen3  # noqa: E402
 from models.sharding import data_sharding, make_mesh  # noqa: E402
 from rl import learner  # noqa: E402
 from rl.batch import Batch  # noqa: E402
@@ -65,10 +68,13 @@ def abstract_batch(rows: int, row_len: int, mesh) -> Batch:
                  seq_num_tokens=spec(f32))
 
 
-def measure(preset: str, layers: int, row_len: int) -> dict:
-    """Compiles one train step; per-device memory (GiB) and compile seconds."""
+def measure(preset: str, layers: int, row_len: int, remat: str | None = None) -> dict:
+    """Compiles one train step; per-device memory (GiB) and compile seconds. remat: the
+    policy to use instead of the recipe's."""
     config = common.load_config(RECIPES[preset])
     model_keys = {k: config.model[k] for k in _MODEL_KEYS if k in config.model}
+    if remat:
+        model_keys["remat"] = remat
     cfg = dataclasses.replace(PRESETS[preset], num_layers=layers, **model_keys)
     mesh = make_mesh(**config.mesh)
     lcfg = config.learner
@@ -86,6 +92,7 @@ def measure(preset: str, layers: int, row_len: int) -> dict:
     args, temp = mem.argument_size_in_bytes / GIB, mem.temp_size_in_bytes / GIB
     out = (mem.output_size_in_bytes - mem.alias_size_in_bytes) / GIB
     row = dict(preset=preset, layers=layers, mesh=dict(mesh.shape), row_len=row_len,
+               remat=cfg.remat,
                args_gib=round(args, 2), temp_gib=round(temp, 2),
                total_gib=round(args + temp + out, 2), compile_s=round(compile_s, 1))
     _log(json.dumps(row))
@@ -95,27 +102,32 @@ def measure(preset: str, layers: int, row_len: int) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small smoke run (2/4 layers, 2k/4k)")
+    p.add_argument("--key-rows", action="store_true",
+                   help="only the rows of total_gib_8b_32k and temp_ratio_32k_8k")
+    p.add_argument("--remat", choices=sorted(REMAT_POLICIES),
+                   help="remat policy of every row (default: each recipe's)")
     args = p.parse_args(argv)
     if len(jax.devices()) != DEVICES:
         raise RuntimeError(f"expected {DEVICES} fake CPU devices, got {jax.devices()}")
     if args.quick:
         lengths, long, depths, big = (2048, 4096), 4096, (4, 2), ()
+    elif args.key_rows:
+        lengths, long, depths, big = (8192, 32768), 32768, (36,), ()
     else:
         lengths, long, depths, big = (8192, 16384, 32768, 65536), 32768, (36, 4), (
             "qwen3-14b", "qwen3-32b")
-    rows = [measure("qwen3-8b", depths[0], n) for n in lengths]
-    rows.append(measure("qwen3-8b", depths[1], lengths[0]))
-    rows += [measure(preset, PRESETS[preset].num_layers, long) for preset in big]
+    rows = [measure("qwen3-8b", depths[0], n, args.remat) for n in lengths]
+    rows += [measure("qwen3-8b", d, lengths[0], args.remat) for d in depths[1:]]
+    rows += [measure(preset, PRESETS[preset].num_layers, long, args.remat) for preset in big]
     by = {(r["preset"], r["layers"], r["row_len"]): r for r in rows}
-    full = by[("qwen3-8b", depths[0], long)]
-    result = dict(
-        rows=rows,
-        total_gib_8b_32k=full["total_gib"],
-        temp_ratio_32k_8k=round(full["temp_gib"] / by[("qwen3-8b", depths[0],
-                                                        lengths[0])]["temp_gib"], 2),
-        compile_ratio_36_4=round(by[("qwen3-8b", depths[0], lengths[0])]["compile_s"] /
-                                 by[("qwen3-8b", depths[1], lengths[0])]["compile_s"], 2),
-        peak_host_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2))
+    full, short = by[("qwen3-8b", depths[0], long)], by[("qwen3-8b", depths[0], lengths[0])]
+    result = dict(rows=rows, total_gib_8b_32k=full["total_gib"],
+                  temp_ratio_32k_8k=round(full["temp_gib"] / short["temp_gib"], 2))
+    if len(depths) > 1:
+        result["compile_ratio_36_4"] = round(
+            short["compile_s"] / by[("qwen3-8b", depths[1], lengths[0])]["compile_s"], 2)
+    result["peak_host_gib"] = round(
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20, 2)
     print(json.dumps(result))
     return result
 
