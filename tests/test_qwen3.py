@@ -141,7 +141,7 @@ def test_nested_remat_gives_same_loss_and_grads():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("remat", ["full", "save-dots"])
+@pytest.mark.parametrize("remat", ["full", "save-dots", "nested"])
 def test_bfloat16_gradients_reach_every_layer(model, remat):
     """bf16 compute with f32 parameters (the recipes' numerics): the gradients of the
     embedding and of the first layer follow the float32 model's."""
