@@ -229,7 +229,10 @@ def test_two_processes_match_one_and_resume_after_kill(tmp_path):
         assert _logged_digests(killed, "host state at step 1:") == [saved]
         assert _logged_digests(err, "at step 1 (host state") == [saved], err[-3000:]
         assert "step    1 " not in out
-    assert "step    2" in resumed[0][0] and resumed[1][0] == ""  # one process prints
+    # One process prints. (Gloo's C++ threads also write to stdout, and their lines can
+    # interleave mid-line, so the check is for the trainer's console lines only.)
+    assert "step    2" in resumed[0][0]
+    assert [line for line in resumed[1][0].splitlines() if " | " in line] == []
 
     # Acceptance 1: losses after each of the 2 steps (and the SFT warm start's) and the
     # parameters and optimizer state after them match within 1e-5.
