@@ -6,6 +6,7 @@ protos. Only process 0 writes; on other processes every call is a no-op.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
+from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.proto import (
     event_pb2,
     summary_pb2,
@@ -23,6 +25,7 @@ from tensorboard.compat.proto import (
     types_pb2,
 )
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
+from tensorboard.summary.writer.record_writer import RecordWriter
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,40 @@ def drop_rows_after(path: str, step: int) -> int:
     return len(lines) - keep
 
 
+def drop_events_after(tb_dir: str, step: int) -> int:
+    """drop_rows_after for the TensorBoard event files of `tb_dir`: in file order (one
+    file per start, named by its start time), keeps the events up to the last summary
+    whose step is <= `step` (none if no summary qualifies), rewrites the file that holds
+    it without the rest (and without a record cut short by a kill), and deletes later
+    files. Returns the number of
+    summaries dropped. Without this a resumed run's steps would appear twice."""
+    paths = sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*")))
+    # Raw records, written back byte for byte (EventFileLoader would migrate them).
+    events = [(path, [(record, event_pb2.Event.FromString(record))
+                      for record in RawEventFileLoader(path).Load()]) for path in paths]
+    cut = (0, 0)  # (file index, events kept in it): nothing, unless a summary qualifies
+    for i, (_, file_events) in enumerate(events):
+        for j, (_, event) in enumerate(file_events):
+            if event.HasField("summary") and event.step <= step:
+                cut = (i, j + 1)
+    dropped = 0
+    for i, (path, file_events) in enumerate(events):
+        keep = len(file_events) if i < cut[0] else cut[1] if i == cut[0] else 0
+        dropped += sum(e.HasField("summary") for _, e in file_events[keep:])
+        if keep == 0:
+            os.remove(path)
+        elif keep < len(file_events) or i == cut[0]:  # (also drops a record cut short)
+            with open(path + ".tmp", "wb") as f:
+                writer = RecordWriter(f)
+                for record, _ in file_events[:keep]:
+                    writer.write(record)
+            os.replace(path + ".tmp", path)
+    if dropped:
+        log.warning("%s: dropped %d summaries written after step %d (resuming from it)",
+                    tb_dir, dropped, step)
+    return dropped
+
+
 class MetricWriter:
     """Writes scalars, histograms and text for `workdir`.
 
@@ -86,7 +123,8 @@ class MetricWriter:
     workdir/metrics.jsonl (non-finite values become null there).
     resume_step: the step the run restarts from (0 for a fresh start); rows written
     after that step's last row, by a run killed before its next checkpoint, are
-    dropped, since the resumed run writes those steps again.
+    dropped from metrics.jsonl and from the TensorBoard events, since the resumed run
+    writes those steps again.
     """
 
     def __init__(self, workdir: str, resume_step: int | None = None):
@@ -96,6 +134,7 @@ class MetricWriter:
         os.makedirs(os.path.join(workdir, "tb"), exist_ok=True)
         if resume_step is not None:
             drop_rows_after(os.path.join(workdir, "metrics.jsonl"), resume_step)
+            drop_events_after(os.path.join(workdir, "tb"), resume_step)
         self._events = EventFileWriter(os.path.join(workdir, "tb"))
         # Line-buffered: a crash or kill loses no written step.
         self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)  # noqa: SIM115

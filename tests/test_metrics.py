@@ -77,3 +77,38 @@ def test_resume_drops_rows_after_the_resume_step(tmp_path):
     # Without resume_step (no resume information), nothing is dropped.
     MetricWriter(str(tmp_path)).close()
     assert _rows(path) == rows[2:3]
+
+
+def _scalars(workdir) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(os.path.join(workdir, "tb"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+            for tag in acc.Tags()["scalars"]}
+
+
+def test_resume_drops_events_after_the_resume_step(tmp_path):
+    """The TensorBoard side of the test above: SFT at steps 10 and 20, RL steps 1-4 over
+    two starts (each start has its own event file), and a record cut short by a kill.
+    Resuming from step 2 shows every step once: no step 3 or 4 of the killed run."""
+    first = MetricWriter(str(tmp_path), resume_step=0)
+    first.write_scalars(10, {"sft/loss": 2.0})
+    first.write_scalars(20, {"sft/loss": 1.0})
+    first.write_scalars(1, {"x": 1.0})
+    first.close()
+    second = MetricWriter(str(tmp_path), resume_step=1)
+    for step in (2, 3, 4):
+        second.write_scalars(step, {"x": float(step)})
+    second.close()
+    (last,) = sorted((tmp_path / "tb").iterdir())[-1:]
+    with open(last, "ab") as f:
+        f.write(b"\x20\x00\x00\x00\x00\x00\x00\x00\x01\x02")  # a record cut short
+    resumed = MetricWriter(str(tmp_path), resume_step=2)
+    resumed.write_scalars(3, {"x": 30.0})
+    resumed.close()
+    assert _scalars(tmp_path) == {"sft/loss": [(10, 2.0), (20, 1.0)],
+                                  "x": [(1, 1.0), (2, 2.0), (3, 30.0)]}
+
+    # A fresh start after a kill during SFT keeps nothing of the killed SFT.
+    MetricWriter(str(tmp_path / "sft_only"), resume_step=0).write_scalars(5, {"sft/loss": 3.0})
+    MetricWriter(str(tmp_path / "sft_only"), resume_step=0).close()
+    assert _scalars(tmp_path / "sft_only") == {}
