@@ -87,9 +87,10 @@ def drop_events_after(tb_dir: str, step: int) -> int:
     file per start, named by its start time), keeps the events up to the last summary
     whose step is <= `step` (none if no summary qualifies), rewrites the file that holds
     it without the rest (and without a record cut short by a kill), and deletes later
-    files. Returns the number of
-    summaries dropped. Without this a resumed run's steps would appear twice."""
-    paths = sorted(glob.glob(os.path.join(tb_dir, "events.out.tfevents.*")))
+    files. Returns the number of summaries dropped. Without this a resumed run's steps
+    would appear twice."""
+    paths = sorted(p for p in glob.glob(os.path.join(tb_dir, "events.out.tfevents.*"))
+                   if not p.endswith(".tmp"))
     # Raw records, written back byte for byte (EventFileLoader would migrate them).
     events = [(path, [(record, event_pb2.Event.FromString(record))
                       for record in RawEventFileLoader(path).Load()]) for path in paths]
