@@ -316,13 +316,16 @@ def restore(config, ckpt: Checkpointer, step: int | None, graphdef, state, mesh)
 async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh, engine,
                               agent: Agent, tasks: list[Task], workdir: str,
                               path: str | None = None) -> None:
-    """--eval_only: the latest checkpoint's weights on `tasks` (e.g. a larger held-out set
+    """--eval_only: the latest readable checkpoint's weights on `tasks` (e.g. a larger held-out set
     than the run's, via --set env.eval_tasks=N), written to `path` (default
     workdir/eval_only_{step}_{n}tasks.json)."""
-    step = ckpt.latest_step()
-    if step is None:
+    if ckpt.latest_step() is None:
         raise FileNotFoundError(f"--eval_only: no checkpoint in {ckpt.directory}")
-    state, _ = restore(config, ckpt, step, graphdef, state, mesh)
+    # The newest step that reads back (a damaged newer one is named in a warning and left
+    # where it is); the output's name and rows carry the step evaluated.
+    _, abstract = learner.abstract_train_state(nnx.merge(graphdef, state.params),
+                                               config.learner, mesh)
+    step, state, _ = ckpt.restore_latest(abstract, set_aside=False)
     await distributed.sync_weights(engine, state.params, config.engine.kind == "sglang")
     await evaluate(config, agent, tasks, None, step, workdir,
                    path or os.path.join(workdir, f"eval_only_{step}_{len(tasks)}tasks.json"))

@@ -110,12 +110,14 @@ class Checkpointer:
         restored = self._manager.restore(int(step), args=args)
         return restored["state"], decode_host(restored["host"])
 
-    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict[str, Any]]:
+    def restore_latest(self, abstract_state: Any,
+                       set_aside: bool = True) -> tuple[int, Any, dict[str, Any]]:
         """(step, state, host) of the newest step that reads back whole.
 
         A newer step that fails to restore is skipped with a warning naming it and the
         error; once an older step restores, the failed ones are renamed <step>.damaged
-        (kept for inspection; the run saves those steps again). Raises, naming every
+        (kept for inspection; the run saves those steps again) unless `set_aside` is
+        False (a reader that leaves the directory as it is). Raises, naming every
         step's error, when none restores: a run never silently starts over.
         """
         steps = sorted(self.all_steps(), reverse=True)
@@ -130,7 +132,8 @@ class Checkpointer:
                 log.warning("checkpoint step %d in %s cannot be restored (%s); trying the "
                             "previous step", step, self.directory, failed[-1][1])
                 continue
-            self._set_aside([s for s, _ in failed])
+            if set_aside:
+                self._set_aside([s for s, _ in failed])
             return step, state, host
         raise RuntimeError(f"no checkpoint in {self.directory} can be restored: "
                            + "; ".join(f"step {s}: {why}" for s, why in failed))

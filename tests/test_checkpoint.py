@@ -272,3 +272,16 @@ def test_kill_mid_save_then_resume_writes_each_metrics_row_once(tmp_path):
     ckpt.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+
+
+def test_reader_falls_back_without_moving_anything(tmp_path):
+    """--eval_only reads the newest step that restores and leaves a damaged one in place."""
+    ckpt, abstract = _saved(tmp_path)
+    ckpt.close()
+    _truncate(os.path.join(tmp_path, "ckpt", "3", "host", "metadata"))
+    ckpt = Checkpointer(str(tmp_path), keep=3)
+    step, state, _ = ckpt.restore_latest(abstract, set_aside=False)
+    assert step == 2 and ckpt.all_steps() == [1, 2, 3]
+    np.testing.assert_array_equal(state["w"], np.arange(1000.0) * 2)
+    assert not glob.glob(os.path.join(tmp_path, "ckpt", "*.damaged*"))
+    ckpt.close()
