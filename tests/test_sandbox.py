@@ -6,6 +6,7 @@ containers against the engine's own listing.
 """
 
 import asyncio
+import concurrent.futures
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ import time
 import pytest
 from sandbox_backends import IMAGE, ROOT, ensure_image
 
+from env.episode import sandbox_factory
 from env.sandbox import SandboxError, make_sandbox
 from env.sandbox.local import LocalLimits, reap_stale, uid_processes
 from env.sandbox.pool import POOL_LABEL, SandboxPool, make_pool
@@ -295,6 +297,176 @@ def test_local_reap_stale_removes_only_sandboxes_of_exited_owners(open_tmp):
             assert uid_processes(int(uid)) == []
         assert reap_stale(str(tmp_path)) == []
     assert sorted(os.listdir(tmp_path)) == ["sandbox-foreign"]
+
+
+def test_exit_codes_and_output_forms(make):
+    sb = make(repo_files=FILES, max_output_bytes=1 << 16)
+    for cmd, code in [("exit 3", 3), ("exit 255", 255), ("kill -9 $$", 137),
+                      ("kill -TERM $$", 143), ("no-such-command-here", 127), ("true", 0)]:
+        res = sb.run(cmd)
+        assert (res.exit_code, res.timed_out) == (code, False), (cmd, res)
+    assert sb.run("printf abc").output == "abc"  # no trailing newline
+    assert sb.run("printf '\\x00\\x01\\xff\\xfe'").output == "\x00\x01\ufffd\ufffd"
+    start = time.monotonic()
+    res = sb.run("printf head; head -c 50M /dev/urandom; printf tail")
+    assert res.truncated and res.exit_code == 0 and time.monotonic() - start < 60
+    assert res.output.startswith("head") and res.output.endswith("tail")
+    assert "bytes of output truncated" in res.output
+
+
+def test_a_command_that_ignores_signals_still_times_out(make):
+    sb = make(repo_files=FILES)
+    sleep = marker_sleep()
+    res = sb.run(f"trap '' TERM INT HUP; ({sleep} &); while :; do :; done", timeout=1)
+    assert res.timed_out and res.exit_code == -1
+    assert host_processes(sleep) == []
+    assert sb.run("echo ok").output == "ok\n"
+
+
+# -- local only -----------------------------------------------------------------------
+
+
+def server_pid(sb) -> int:
+    """Host pid of the sandbox's command server: the supervisor itself unisolated, its
+    child (the PID namespace's init) isolated."""
+    outer = sb._supervisor.proc.pid
+    if not sb.isolated:
+        return outer
+    with open(f"/proc/{outer}/task/{outer}/children") as f:
+        return int(f.read().split()[0])
+
+
+def test_local_commands_cannot_kill_the_supervisor():
+    with make_sandbox("local", repo_files=FILES) as sb:
+        assert sb.isolated and sb._uid is not None
+        res = sb.run("kill -9 1; echo rc=$?; kill -9 $PPID; echo rc=$?; kill -9 -1; echo rc=$?")
+        assert res.output.count("Operation not permitted") == 2, res.output
+        assert res.output.count("rc=1\n") == 3  # kill -1: none it may signal but itself
+        assert sb.run("echo ok").output == "ok\n"
+
+
+def test_local_background_children_are_killed_after_each_command():
+    with make_sandbox("local", repo_files=FILES) as sb:
+        sleep = marker_sleep()
+        res = sb.run(f"setsid nohup {sleep} >/dev/null 2>&1 & disown; "
+                     f"(trap '' HUP TERM; {sleep} &) & echo started")
+        assert (res.exit_code, res.output) == (0, "started\n")
+        assert host_processes(sleep) == [] and uid_processes(sb._uid) == []
+        # The next command shares no process with the last: /proc lists the server and
+        # this command's own processes (bash, ls, grep).
+        assert int(sb.run("ls /proc | grep -c '^[0-9]'").output) <= 4
+
+
+@pytest.mark.parametrize("victim", ["group", "server"])
+def test_local_supervisor_killed_mid_command_is_an_infrastructure_error(victim):
+    with make_sandbox("local", repo_files=FILES) as sb:
+        sleep = marker_sleep()
+        result = {}
+
+        def run():
+            try:
+                result["res"] = sb.run(f"{sleep} & {sleep}", timeout=60)
+            except SandboxError as e:
+                result["err"] = e
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while len(host_processes(sleep, exact=True)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if victim == "group":  # as `kill -9 -PGID` of the supervisor would
+            os.killpg(sb._supervisor.proc.pid, signal.SIGKILL)
+        else:
+            os.kill(server_pid(sb), signal.SIGKILL)
+        thread.join(20)
+        assert not thread.is_alive() and "supervisor" in str(result["err"])
+        assert host_processes(sleep) == [] and uid_processes(sb._uid) == []
+        with pytest.raises(SandboxError, match="supervisor"):
+            sb.run("echo hi")
+        with pytest.raises(SandboxError, match="supervisor"):
+            sb.read_file("calc.py")
+        sb.close()
+        assert not os.path.exists(sb.root)
+
+
+def test_local_supervisor_dying_between_commands_ends_the_episode_as_env_error():
+    from env.episode import Episode
+    from env.tasks import Task
+
+    task = Task("dies", "test repo", repo_files=FILES)
+    with Episode(sandbox_factory("local"), task) as ep:
+        ep.reset()
+        assert ep.step({"name": "execute_bash", "arguments": {"command": "echo hi"}}) == (
+            "hi", False)
+        os.kill(server_pid(ep.sandbox), signal.SIGKILL)
+        observation, done = ep.step({"name": "execute_bash", "arguments": {"command": "true"}})
+        assert done and ep.status == "env_error" and ep.error.startswith("SandboxError")
+        assert "supervisor" in ep.error and ep.reward() is None
+        assert uid_processes(ep.sandbox._uid) == []
+
+
+def test_local_supervisor_ends_with_its_owner(open_tmp):
+    """A trainer killed while a command runs: the supervisor sees its control socket
+    close, kills the command and exits; no process of the sandbox is left."""
+    sleep = marker_sleep()
+    script = textwrap.dedent(f"""
+        import os, signal, sys, threading, time
+        sys.path.insert(0, {ROOT!r})
+        from env.sandbox import make_sandbox
+        sb = make_sandbox("local", repo_files={{"a.py": "x = 1\\n"}}, root_dir={str(open_tmp)!r})
+        threading.Thread(target=sb.run, args=({sleep!r},), daemon=True).start()
+        print(sb._supervisor.proc.pid, sb._uid, flush=True)
+        while not os.popen("pgrep -f '^{sleep}$'").read():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    supervisor, uid = (int(x) for x in out.stdout.split())
+    deadline = time.monotonic() + 10
+    while (host_processes(sleep) or uid_processes(uid) or running(supervisor)) and (
+            time.monotonic() < deadline):
+        time.sleep(0.05)
+    assert host_processes(sleep) == [] and uid_processes(uid) == []
+    assert not running(supervisor)
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has no command line)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return bool(f.read())
+    except OSError:
+        return False
+
+
+def test_local_concurrent_sandboxes_and_commands_stay_apart():
+    sandboxes = [make_sandbox("local", repo_files={"id.txt": f"{i}\n"}) for i in range(6)]
+    try:
+        def work(i):
+            sb = sandboxes[i]
+            outs = []
+            for _ in range(5):
+                res = sb.run(f"cat id.txt; echo {i} >> log; ls /proc | grep -c '^[0-9]'")
+                outs.append(res.output.split())
+            return outs
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(work, range(6)))
+        for i, outs in enumerate(results):
+            assert all(out[0] == str(i) and int(out[1]) <= 4 for out in outs), outs
+            assert sandboxes[i].read_file("log") == f"{i}\n" * 5
+        # Commands sent to one sandbox from several threads run one at a time, each whole.
+        sb = sandboxes[0]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            outs = list(pool.map(lambda k: sb.run(f"echo {k}; sleep 0.1; echo {k}").output,
+                                 range(8)))
+        assert outs == [f"{k}\n{k}\n" for k in range(8)]
+    finally:
+        for sb in sandboxes:
+            sb.close()
+    assert not any(os.path.exists(sb.root) for sb in sandboxes)
 
 
 # -- docker only ----------------------------------------------------------------------

@@ -123,15 +123,19 @@ def test_local_refuses_to_run_unisolated_unless_allowed():
     """Without CAP_SYS_ADMIN (an unprivileged container; setpriv drops it) no namespaces
     can be had: the backend refuses to start unless running untrusted code unisolated
     is explicitly accepted."""
-    script = ("from env.sandbox.local import LocalSandbox, IsolationUnavailable\n"
+    marker = f"sleep {uuid.uuid4().int % 10**6 + 10**6}.5"  # left in the background
+    script = ("import subprocess\n"
+              "from env.sandbox.local import LocalSandbox, IsolationUnavailable\n"
               "try:\n    LocalSandbox(repo_files={'a': 'b'})\nexcept IsolationUnavailable as e:\n"
               "    print('refused:', e)\n"
               "with LocalSandbox(repo_files={'a': 'b'}, allow_unisolated=True) as sb:\n"
-              "    print(sb.isolated, sb.run('cat a').output)\n")
+              f"    sb.run('(setsid {marker} &); {marker} & echo bg')\n"
+              f"    left = subprocess.run(['pgrep', '-f', '^{marker}$']).returncode != 1\n"
+              "    print(sb.isolated, left, sb.run('cat a').output)\n")
     done = subprocess.run(["setpriv", "--bounding-set=-sys_admin", "--inh-caps=-sys_admin",
                            sys.executable, "-c", script], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("refused: the local sandbox cannot isolate commands here")
-    assert done.stdout.endswith("False b\n")
+    assert done.stdout.endswith("False False b\n")  # nothing left after the command
     assert issubclass(IsolationUnavailable, RuntimeError)

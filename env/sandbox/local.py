@@ -3,18 +3,21 @@
 Layout of one sandbox: `<tmp>/sandbox-XXXX/{repo,home,tmp}`; `repo` is a git checkout
 whose base commit `patch()` diffs against.
 
-Isolation: every command runs under `supervise.py` with the sandbox's own environment
-(PATH, HOME, TMPDIR, LANG: nothing of the trainer's) and rlimits (CPU seconds, address
-space, file size, processes). As root (required unless `allow_unisolated`), each
-command runs as a uid of its own, drawn at random from a range no account uses and
-owning the sandbox directory, in new mount, PID and network namespaces: every host
-mount is read-only but the sandbox directory, /proc shows only the command's own
-processes (no trainer to read or signal), and the loopback is its own (no inference
-server to call). RLIMIT_NPROC is counted per uid and not enforced for root, so only a
-dedicated uid makes the process limit hold (a fork bomb stays bounded) without
-touching other users' count. The sandbox directory is a tmpfs of `disk_bytes`, which
-bounds everything it holds. The command text reaches bash through a memfd (see
-supervise.py), so its length is not bounded by argv.
+Isolation: every command runs under the sandbox's supervisor (supervise.py, one
+long-lived process per sandbox, started with it; env.sandbox.supervisor talks to it),
+with the sandbox's own environment (PATH, HOME, TMPDIR, LANG: nothing of the trainer's)
+and rlimits (CPU seconds, address space, file size, processes). As root (required
+unless `allow_unisolated`), each command runs as a uid of its own, drawn at random from
+a range no account uses and owning the sandbox directory, in the supervisor's mount,
+PID and network namespaces: every host mount is read-only but the sandbox directory,
+/proc shows only the sandbox's processes (no trainer to read or signal), and the
+loopback is its own (no inference server to call). RLIMIT_NPROC is counted per uid and
+not enforced for root, so only a dedicated uid makes the process limit hold (a fork
+bomb stays bounded) without touching other users' count. The sandbox directory is a
+tmpfs of `disk_bytes`, which bounds everything it holds. The command text reaches bash
+through a memfd (see supervise.py), so its length is not bounded by argv. Commands of
+one sandbox run one at a time. A supervisor that dies or stops answering is a
+SandboxError for that command and every later one.
 
 Where isolation cannot be had (no root, no namespaces), the constructor raises
 IsolationUnavailable unless `allow_unisolated`: commands then run as the calling
@@ -39,22 +42,19 @@ import functools
 import json
 import os
 import secrets
-import selectors
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Mapping
 
 from env.sandbox import base, shell
-from env.sandbox.output import CappedOutput
 from env.sandbox.paths import repo_relative
+from env.sandbox.supervisor import Completed, Supervisor
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-SUPERVISOR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
 GIT_IDENTITY = ["-c", "user.name=sandbox", "-c", "user.email=sandbox@localhost"]
 GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 # Bytecode caches go stale when a file is rewritten within the mtime granularity at the
@@ -64,8 +64,6 @@ EXEC_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
 UID_RANGE = (1_000_000_000, 1_500_000_000)
 PREFIX, OWNER_FILE = "sandbox-", ".owner"
 MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
-# Extra wall time the supervisor gets beyond the command timeout before it counts as broken.
-SUPERVISOR_GRACE_S = 15.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,16 +85,8 @@ class LocalLimits:
         return {name: int(v) for name, v in named.items() if v is not None}
 
 
-@dataclasses.dataclass
-class _Completed:
-    exit_code: int
-    timed_out: bool
-    stdout: CappedOutput | bytearray
-    stderr: bytearray
-
-
 class LocalSandbox(base.Sandbox):
-    """A git checkout in a temp directory; commands run as supervised subprocesses.
+    """A git checkout in a temp directory; commands run under its supervisor.
 
     Args:
       repo_files: path -> text content; committed as the base commit of a new repo.
@@ -145,8 +135,10 @@ class LocalSandbox(base.Sandbox):
         self.max_patch_bytes = max_patch_bytes
         self.env_setup = env_setup
         self._lock = threading.Lock()
+        # The supervisor while a command runs (its process group holds the command's).
         self._running: set[subprocess.Popen] = set()
         self._closed = False
+        self._supervisor: Supervisor | None = None
         self._uid = secrets.randbelow(UID_RANGE[1] - UID_RANGE[0]) + UID_RANGE[0]
         if os.geteuid() != 0:
             self._uid = None
@@ -168,6 +160,8 @@ class LocalSandbox(base.Sandbox):
             if self._uid is not None:
                 self._check_traversable()
                 _chown_tree(self.root, self._uid)
+            self._supervisor = Supervisor(self.repo, self._env, self._uid,
+                                          limits.rlimits(), self.root if self.isolated else None)
         except BaseException:
             self.close()
             raise
@@ -241,59 +235,23 @@ class LocalSandbox(base.Sandbox):
 
     def _exec(self, argv: list[str], timeout: float, stdin: bytes | None = None,
               merge: bool = True, cap: int | None = None, script: str | None = None,
-              ) -> _Completed:
-        status_r, status_w = os.pipe()
-        config_r, config_w = os.pipe()
-        cfg = {"argv": argv, "script": script, "timeout": timeout, "status_fd": status_w,
-               "uid": self._uid, "gid": self._uid, "rlimits": self.limits.rlimits(),
-               "isolate": self.root if self.isolated else None}
+              ) -> Completed:
         with self._lock:
             if self._closed:
-                for fd in (status_r, status_w, config_r, config_w):
-                    os.close(fd)
                 raise base.SandboxError("sandbox is closed")
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-I", "-S", SUPERVISOR, str(config_r)],
-                    cwd=self.repo, env=self._env, start_new_session=True,
-                    pass_fds=(status_w, config_r),
-                    stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT if merge else subprocess.PIPE)
-            except OSError as e:
-                os.close(config_w)
-                raise base.SandboxError(f"cannot start the command supervisor: {e}") from e
-            finally:
-                os.close(status_w)
-                os.close(config_r)
-            self._running.add(proc)
-        # The config (with the command) goes through a pipe, written while the supervisor
-        # reads it: a pipe holds 64 KiB, a command may be longer.
-        threading.Thread(target=_feed, args=(os.fdopen(config_w, "wb"), json.dumps(cfg).encode()),
-                         daemon=True).start()
+            self._running.add(self._supervisor.proc)
         try:
-            out = CappedOutput(cap) if cap is not None else bytearray()
-            err = bytearray()
-            finished = _collect(proc, stdin, out, err, time.monotonic() + timeout
-                                + SUPERVISOR_GRACE_S)
-            if not finished:
-                proc.kill()
-                raise base.SandboxError(f"command supervisor did not finish {timeout:.0f}s "
-                                        f"command within {SUPERVISOR_GRACE_S:.0f}s of grace")
-            proc.wait()
-            status = _read_all(status_r).split()
+            done = self._supervisor.run(argv, timeout, stdin, merge, cap, script)
+        except base.SandboxError:
+            if self._closed:
+                raise base.SandboxError("sandbox was closed while the command ran") from None
+            raise
         finally:
-            os.close(status_r)
             with self._lock:
-                self._running.discard(proc)
+                self._running.discard(self._supervisor.proc)
         if self._closed:
             raise base.SandboxError("sandbox was closed while the command ran")
-        if len(status) != 3:
-            raise base.SandboxError(f"command supervisor failed (exit {proc.returncode}): "
-                                    + bytes(err).decode(errors="replace"))
-        if status[2] != b"1":
-            raise base.SandboxError("could not kill the processes the command left behind")
-        return _Completed(int(status[0]), status[1] == b"1", out, err)
+        return done
 
     def run(self, cmd: str, timeout: float = 60.0) -> base.ExecResult:
         """Runs `bash -c cmd` in the repository root; see the module docstring for limits."""
@@ -361,9 +319,8 @@ class LocalSandbox(base.Sandbox):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            running = list(self._running)
-        for proc in running:
-            _terminate(proc)
+        if self._supervisor is not None:
+            self._supervisor.stop()
         if self._uid is not None:
             kill_uid_processes(self._uid)
         _remove(self.root)
@@ -397,26 +354,20 @@ class IsolationUnavailable(RuntimeError):
 @functools.cache
 def isolation_available() -> bool:
     """Whether commands can run isolated: as root, in new namespaces (probed once by
-    running `true` through the supervisor, as every command runs)."""
+    running `true` under a supervisor, as every command runs)."""
     if os.geteuid() != 0:
         return False
     with tempfile.TemporaryDirectory() as root:
-        status_r, status_w = os.pipe()
-        config_r, config_w = os.pipe()
-        cfg = {"argv": ["true"], "script": None, "timeout": 30, "status_fd": status_w,
-               "uid": None, "gid": None, "rlimits": {}, "isolate": root}
-        with os.fdopen(config_w, "wb") as f:
-            f.write(json.dumps(cfg).encode())  # (small: fits in the pipe)
         try:
-            done = subprocess.run([sys.executable, "-I", "-S", SUPERVISOR, str(config_r)],
-                                  cwd=root, pass_fds=(status_w, config_r), capture_output=True,
-                                  timeout=60)
+            probe = Supervisor(root, {"PATH": SAFE_PATH}, None, {}, isolate=root)
+        except base.SandboxError:
+            return False
+        try:
+            return probe.run(["true"], 30).exit_code == 0
+        except base.SandboxError:
+            return False
         finally:
-            os.close(status_w)
-            os.close(config_r)
-        status = _read_all(status_r).split()
-        os.close(status_r)
-    return done.returncode == 0 and status[:1] == [b"0"]
+            probe.stop()
 
 
 class _FailedCommand(Exception):
@@ -431,61 +382,6 @@ def _file_error(message: str, path: str) -> OSError:
     if "Is a directory" in message:
         return IsADirectoryError(f"{path} is a directory")
     return OSError(f"{path}: {message}")
-
-
-def _collect(proc: subprocess.Popen, stdin: bytes | None, out, err: bytearray,
-             deadline: float) -> bool:
-    """Feeds stdin and drains stdout/stderr until both close; False past `deadline`."""
-    sel = selectors.DefaultSelector()
-    sinks = {proc.stdout.fileno(): out.add if isinstance(out, CappedOutput) else out.extend}
-    if proc.stderr is not None:
-        sinks[proc.stderr.fileno()] = err.extend
-    for fd in sinks:
-        sel.register(fd, selectors.EVENT_READ)
-    if stdin is not None:
-        writer = threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)
-        writer.start()
-    try:
-        while sinks:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            for key, _ in sel.select(min(remaining, 1.0)):
-                chunk = os.read(key.fd, 1 << 16)
-                if chunk:
-                    sinks[key.fd](chunk)
-                else:
-                    sel.unregister(key.fd)
-                    del sinks[key.fd]
-        return True
-    finally:
-        sel.close()
-        proc.stdout.close()
-        if proc.stderr is not None:
-            proc.stderr.close()
-
-
-def _read_all(fd: int) -> bytes:
-    chunks = []
-    while chunk := os.read(fd, 4096):
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _feed(pipe, data: bytes) -> None:
-    with contextlib.suppress(BrokenPipeError, ValueError), pipe:
-        pipe.write(data)
-
-
-def _terminate(proc: subprocess.Popen) -> None:
-    """SIGTERM to the supervisor (it then kills the command's processes), SIGKILL if stuck."""
-    try:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    except ProcessLookupError:
-        pass
 
 
 def _chown_tree(root: str, uid: int) -> None:

@@ -1,33 +1,41 @@
-"""Runs one sandbox command under a supervisor that leaves no process behind.
+"""A sandbox's supervisor: one long-lived process that runs every command sent to it
+and leaves no process of a command behind.
 
-Invoked by LocalSandbox as `python -I -S supervise.py CONFIG_FD`, as a new session
-leader; it reads its JSON config from that pipe (a command of any length fits: it
-never passes through argv, which execve caps at 128 KiB per string).
+Started once per sandbox by env.sandbox.supervisor as `python -I -S supervise.py
+CONTROL_FD CONFIG_JSON`, as a new session leader, in the repository root. It serves
+requests on CONTROL_FD (a Unix stream socket) one at a time: a 4-byte big-endian
+length, the request's JSON, and three file descriptors passed with the length
+(SCM_RIGHTS): the command's stdin, stdout and stderr. The command's text travels in
+the request, never in argv (which execve caps at 128 KiB per string). For each request
+it forks the command (no new interpreter: a fork of this process that execs at once),
+waits for it with a wall-clock deadline, kills every process the command left, and
+answers "EXIT_CODE TIMED_OUT CLEAN\n". End of file on CONTROL_FD (the sandbox closed,
+or its owner died) ends the supervisor after the same clean-up.
 
-Isolated (`isolate` is the sandbox directory): the supervisor enters new mount, PID
-and network namespaces. Every mount is made read-only except a bind of the sandbox
-directory (and a small tmpfs on /dev/shm), so no host path outside the sandbox is
-writable, whatever its permissions; the command gets its own /proc, sees only its own
-processes (none of the trainer's), and only a loopback interface of its own. The
-command is the PID namespace's init, so when it exits or is killed every process it
-started dies with it.
+Isolated (`isolate` is the sandbox directory): the starting process enters new mount,
+PID and network namespaces; every mount is made read-only except a bind of the sandbox
+directory (and a small tmpfs on /dev/shm, fresh for every command), so no host path
+outside the sandbox is writable, whatever its permissions. Its child, the PID
+namespace's init, is the server: it mounts the namespace's own /proc (commands see
+only the sandbox's processes, none of the trainer's) and brings up a loopback of its
+own. Every process in the namespace but the server is a command's, so after a command
+`kill(-1, SIGKILL)` ends them all; if the server dies, the kernel kills every process
+in the namespace. The starting process waits for the server and exits with it; the
+server gets SIGKILL if the starting process dies.
 
-Not isolated: the supervisor marks itself a child subreaper (prctl), so every orphaned
-descendant is re-parented to it rather than to PID 1, and after the command SIGKILLs
+Not isolated: the server marks itself a child subreaper (prctl), so every orphaned
+descendant is re-parented to it rather than to PID 1, and after each command SIGKILLs
 every remaining descendant, repeating until none is left (a fork bomb keeps forking
 while it is being killed; RLIMIT_NPROC bounds it), and reaps them all.
 
-Either way the command is forked (optionally dropping to an unprivileged uid and always
-lowering rlimits in the child) and waited for with a wall-clock deadline. Finally the
-supervisor writes "EXIT_CODE TIMED_OUT CLEAN" to the status fd.
+The command's process drops to the sandbox's uid (when one is given) and lowers its
+rlimits before exec. Exit codes follow the shell: 128+N when the command died from
+signal N, -1 on timeout. SIGTERM/SIGINT end the server after the clean-up.
 
-Exit codes follow the shell: 128+N when the command died from signal N, -1 on timeout.
-SIGTERM/SIGINT to the supervisor end the command like a timeout.
-
-Config keys: argv (list[str]), script (str | null: when given, bash runs it, read from
-fd 3, instead of argv), timeout (s), status_fd (int), uid/gid (int | null: keep the
-caller's), rlimits ({"RLIMIT_CPU": n, ...}; "RLIMIT_NPROC" counts on top of the uid's
-running processes when uid is null, since the count is per user), isolate (str | null).
+Config keys: uid/gid (int | null: keep the caller's), rlimits ({"RLIMIT_CPU": n, ...};
+"RLIMIT_NPROC" counts on top of the uid's running processes when uid is null, since the
+count is per user), isolate (str | null). Request keys: argv (list[str]), script (str |
+null: when given, bash runs it, read from fd 3, instead of argv), timeout (s).
 """
 
 import contextlib
@@ -36,6 +44,7 @@ import fcntl
 import json
 import os
 import resource
+import select
 import signal
 import socket
 import struct
@@ -43,12 +52,15 @@ import sys
 import time
 import warnings  # noqa: F401 - os.execvp imports it; after setuid the stdlib may be unreadable
 
-PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 KILL_ROUNDS = 2000
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MNT_DETACH = 2
 SYS_MOUNT_SETATTR, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, 0x8000, 0x1
 SIOCSIFFLAGS, IFF_UP = 0x8914, 0x1
+SHM_OPTIONS = "size=64m,mode=1777"
+MAX_FDS = 1 << 20
 # bash runs the script from fd 3 (`$(...)` reads it before fd 3 is closed for the command).
 RUN_SCRIPT = 'eval "$(cat <&3)" 3<&-'
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -74,6 +86,9 @@ def _set_readonly(path, readonly):
            f"mount_setattr {path}")
 
 
+# -- namespaces (isolated) ------------------------------------------------------------
+
+
 def _enter_namespaces(sandbox_dir):
     """New mount, PID (for the children) and network namespaces; the mount tree read-only
     but for the sandbox directory and a private /dev/shm."""
@@ -82,24 +97,39 @@ def _enter_namespaces(sandbox_dir):
     _mount(sandbox_dir, sandbox_dir, None, MS_BIND | MS_REC)
     _set_readonly("/", True)
     _set_readonly(sandbox_dir, False)
-    if os.path.isdir("/dev/shm"):
-        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,mode=1777")
+    _fresh_shm()
 
 
-def _in_new_pid_namespace():
-    """In the child, the PID namespace's init: its own /proc and a loopback that is up."""
+def _fresh_shm():
+    """An empty /dev/shm: what one command left there is gone for the next."""
+    if not os.path.isdir("/dev/shm"):
+        return
+    if os.path.ismount("/dev/shm"):
+        _libc.umount2(b"/dev/shm", MNT_DETACH)
+    _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, SHM_OPTIONS)
+
+
+def _as_namespace_init():
+    """In the server, the PID namespace's init: its own /proc and a loopback that is up."""
+    _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl")
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", IFF_UP))
     os.chdir(os.getcwd())  # the working directory through the writable bind, not under it
 
 
-class _Stop(Exception):
-    pass
+def _kill_namespace():
+    """SIGKILLs and reaps every process of the namespace but this one (its init)."""
+    while True:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(-1, signal.SIGKILL)
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            return True
 
 
-def _stop(signum, frame):
-    raise _Stop
+# -- descendants (not isolated) -------------------------------------------------------
 
 
 def _proc_table():
@@ -143,10 +173,16 @@ def _reap_nohang():
 
 
 def _kill_descendants():
+    """SIGKILLs every descendant until none is left, then reaps them; False if they
+    kept coming (then nothing is waited for)."""
     for _ in range(KILL_ROUNDS):
         pids = _live_descendants(os.getpid())
         if not pids:
-            return True
+            while True:
+                try:
+                    os.waitpid(-1, 0)
+                except ChildProcessError:
+                    return True
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -167,22 +203,26 @@ def _user_process_count(uid):
     return count
 
 
-def _exec_child(cfg, status_fd):
+# -- one command ----------------------------------------------------------------------
+
+
+def _exec_child(cfg, request, fds):
+    """In the forked child: the command's stdio, uid and rlimits, then exec."""
     try:
-        os.close(status_fd)
         # Python ignores SIGPIPE and SIGXFSZ, and exec keeps ignored signals: the command
         # gets the defaults (`yes | head` ends quietly, an oversized write kills).
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(signum, signal.SIG_DFL)
-        if cfg["isolate"]:
-            _in_new_pid_namespace()
-        argv = cfg["argv"]
-        if cfg["script"] is not None:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        argv = request["argv"]
+        if request["script"] is not None:
             fd = os.memfd_create("command", 0)
-            os.write(fd, cfg["script"].encode("utf-8", "surrogateescape"))
+            os.write(fd, request["script"].encode("utf-8", "surrogateescape"))
             os.lseek(fd, 0, os.SEEK_SET)
             os.dup2(fd, 3)
             argv = ["bash", "-c", RUN_SCRIPT]
+        os.closerange(4 if request["script"] is not None else 3, MAX_FDS)
         if cfg["uid"] is not None:
             os.setgroups([])
             os.setgid(cfg["gid"])
@@ -200,55 +240,125 @@ def _exec_child(cfg, status_fd):
     os._exit(127)
 
 
-def _read_config(fd):
+class _HostGone(Exception):
+    """The control socket closed: the sandbox is closing, or its owner died."""
+
+
+def _wait(child, timeout, control):
+    """(exit code, timed out) of `child`; _HostGone if the control socket closes first."""
+    deadline = time.monotonic() + max(timeout, 0.001)
+    pidfd = os.pidfd_open(child)
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return -1, True
+            ready, _, _ = select.select([pidfd, control], [], [], remaining)
+            if control in ready and not control.recv(1, socket.MSG_PEEK):
+                raise _HostGone
+            if pidfd in ready:
+                code = os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
+                return (128 - code if code < 0 else code), False
+    finally:
+        os.close(pidfd)
+
+
+def _run(cfg, request, fds, control):
+    try:
+        child = os.fork()
+        if child == 0:
+            _exec_child(cfg, request, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return _wait(child, request["timeout"], control)
+
+
+def _clean_up(cfg):
+    """Kills every process the command left; True when none is left."""
+    if not cfg["isolate"]:
+        return _kill_descendants()
+    clean = _kill_namespace()
+    _fresh_shm()
+    return clean
+
+
+# -- requests -------------------------------------------------------------------------
+
+
+def _receive(control):
+    """(request, [stdin, stdout, stderr]) or None at end of file."""
+    header, fds, _, _ = socket.recv_fds(control, 4, 3)
+    if not header:
+        return None
+    if len(header) < 4:
+        header += _exactly(control, 4 - len(header))
+    (size,) = struct.unpack(">I", header)
+    return json.loads(_exactly(control, size)), fds
+
+
+def _exactly(control, size):
     chunks = []
-    while chunk := os.read(fd, 1 << 16):
+    while size:
+        chunk = control.recv(min(size, 1 << 20))
+        if not chunk:
+            raise _HostGone
         chunks.append(chunk)
-    os.close(fd)
-    return json.loads(b"".join(chunks))
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def _serve(cfg, control):
+    control.sendall(b"ready\n")
+    while True:
+        received = _receive(control)
+        if received is None:
+            return
+        request, fds = received
+        code, timed_out = _run(cfg, request, fds, control)
+        clean = _clean_up(cfg)
+        control.sendall(f"{-1 if timed_out else code} {int(timed_out)} {int(clean)}\n".encode())
+
+
+def _stop(signum, frame):
+    raise _HostGone
+
+
+def _server(cfg, control):
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        _serve(cfg, control)
+    except (_HostGone, BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _clean_up(cfg)
 
 
 def main():
-    cfg = _read_config(int(sys.argv[1]))
-    status_fd = cfg["status_fd"]
-    if cfg["isolate"]:
-        _enter_namespaces(cfg["isolate"])
-    else:
+    control = socket.socket(fileno=int(sys.argv[1]))
+    cfg = json.loads(sys.argv[2])
+    if not cfg["isolate"]:
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    signal.signal(signal.SIGALRM, _stop)
-    timed_out, code, child = False, -1, None
-    try:
-        signal.setitimer(signal.ITIMER_REAL, max(cfg["timeout"], 0.001))
-        child = os.fork()
-        if child == 0:
-            _exec_child(cfg, status_fd)
-        while True:
-            pid, status = os.waitpid(-1, 0)
-            if pid == child:
-                child = None  # reaped: its pid may be reused from now on
-                code = os.waitstatus_to_exitcode(status)
-                code = 128 - code if code < 0 else code
-                break
-    except _Stop:
-        timed_out = True
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        _server(cfg, control)
+        return
+    _enter_namespaces(cfg["isolate"])
+    server = os.fork()
+    if server == 0:
+        try:
+            _as_namespace_init()
+            _server(cfg, control)
+        except BaseException as e:  # noqa: BLE001 - say why, then end the namespace
+            os.write(2, f"sandbox supervisor: {type(e).__name__}: {e}\n".encode())
+            os._exit(1)
+        os._exit(0)
+    control.close()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if cfg["isolate"]:  # the namespace's init gone, so is every process in it
-        if child is not None:
-            os.kill(child, signal.SIGKILL)
-        clean = True
-    else:
-        clean = _kill_descendants()
-    while clean:
-        try:
-            os.waitpid(-1, 0)
-        except ChildProcessError:
-            break
-    os.write(status_fd, f"{-1 if timed_out else code} {int(timed_out)} {int(clean)}".encode())
+    code = os.waitstatus_to_exitcode(os.waitpid(server, 0)[1])
+    sys.exit(128 - code if code < 0 else code)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,253 @@
+"""The host's end of a sandbox's supervisor (supervise.py): one process per sandbox,
+started once, that runs each command sent to it.
+
+`Supervisor.run` sends one command with its stdin, stdout and stderr (pipes this
+process reads) and collects the output until the supervisor's status line and end of
+file on every pipe. Commands of one supervisor run one at a time. Anything that makes
+the status unknowable (the supervisor died, was killed, or missed its deadline by
+GRACE_S) raises SandboxError and leaves the supervisor broken: every later command
+raises the same error, since its processes can no longer be vouched for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+from env.sandbox import base
+from env.sandbox.output import CappedOutput
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
+# Extra wall time the supervisor gets beyond the command timeout before it counts as broken.
+GRACE_S = 15.0
+START_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 5.0
+
+
+@dataclasses.dataclass
+class Completed:
+    exit_code: int
+    timed_out: bool
+    stdout: CappedOutput | bytearray
+    stderr: bytearray
+
+
+class Supervisor:
+    """A started supervise.py: `run` commands, then `stop`.
+
+    cwd, env: the supervisor's (and so every command's) working directory and
+    environment. uid: the uid commands run as (None: the caller's). rlimits: per-command
+    rlimits by name. isolate: the sandbox directory, to run in new namespaces (None: not).
+    """
+
+    def __init__(self, cwd: str, env: dict[str, str], uid: int | None,
+                 rlimits: dict[str, int], isolate: str | None):
+        config = json.dumps({"uid": uid, "gid": uid, "rlimits": rlimits, "isolate": isolate})
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", SCRIPT, str(theirs.fileno()), config],
+                cwd=cwd, env=env, start_new_session=True, pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        except OSError as e:
+            ours.close()
+            raise base.SandboxError(f"cannot start the sandbox's supervisor: {e}") from e
+        finally:
+            theirs.close()
+        self._control = ours
+        self._lock = threading.Lock()
+        self.broken = ""
+        try:
+            if self._status_line(time.monotonic() + START_TIMEOUT_S) != b"ready":
+                raise self._break("sent no ready line")
+        except BaseException:
+            self.stop()
+            raise
+
+    def run(self, argv: list[str], timeout: float, stdin: bytes | None = None,
+            merge: bool = True, cap: int | None = None, script: str | None = None,
+            ) -> Completed:
+        """Runs argv (or `bash` on `script`); stderr into stdout when `merge`; stdout
+        kept as CappedOutput(cap) when `cap` is given."""
+        with self._lock:
+            if self.broken:
+                raise base.SandboxError(self.broken)
+            out = CappedOutput(cap) if cap is not None else bytearray()
+            err = bytearray()
+            pipes = _Pipes(stdin is not None, merge)
+            try:
+                self._send({"argv": argv, "script": script, "timeout": timeout}, pipes.theirs())
+                pipes.close_theirs()
+                status = self._collect(pipes, stdin, out, err, time.monotonic() + timeout)
+            finally:
+                pipes.close()
+        code, timed_out, _ = status.split()  # (processes left behind raised already)
+        return Completed(int(code), timed_out == b"1", out, err)
+
+    def stop(self) -> None:
+        """Ends the supervisor (it kills what runs, then exits); SIGKILL if it lingers.
+        Safe from any thread, also while a command runs (that one raises SandboxError)."""
+        self.broken = self.broken or "the sandbox's supervisor was stopped"
+        with contextlib.suppress(OSError):
+            self._control.shutdown(socket.SHUT_RDWR)
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        if self._lock.acquire(timeout=STOP_TIMEOUT_S):  # no command is using the socket
+            try:
+                self._control.close()
+                self.proc.stderr.close()
+            finally:
+                self._lock.release()
+
+    # -- protocol ---------------------------------------------------------------------
+
+    def _send(self, request: dict, fds: list[int]) -> None:
+        payload = json.dumps(request).encode("utf-8", "surrogateescape")
+        try:
+            socket.send_fds(self._control, [struct.pack(">I", len(payload))], fds)
+            self._control.sendall(payload)
+        except OSError as e:
+            raise self._break(f"refused a command ({e})") from None
+
+    def _collect(self, pipes: _Pipes, stdin: bytes | None, out, err: bytearray,
+                 deadline: float) -> bytes:
+        """Drains the command's output until its status line and end of file on every
+        pipe; returns the status line."""
+        sel = selectors.DefaultSelector()
+        sinks = {pipes.out_r: out.add if isinstance(out, CappedOutput) else out.extend}
+        if pipes.err_r is not None:
+            sinks[pipes.err_r] = err.extend
+        for fd in sinks:
+            sel.register(fd, selectors.EVENT_READ)
+        sel.register(self._control, selectors.EVENT_READ)
+        if stdin is not None:
+            threading.Thread(target=_feed, args=(pipes.take_stdin(), stdin), daemon=True).start()
+        status = bytearray()
+        try:
+            while sinks or not status.endswith(b"\n"):
+                remaining = deadline + GRACE_S - time.monotonic()
+                if remaining <= 0:
+                    raise self._break(f"did not finish a command within {GRACE_S:.0f}s of "
+                                      "its timeout", kill=True)
+                for key, _ in sel.select(min(remaining, 1.0)):
+                    if key.fileobj is self._control:
+                        self._read_status(status, sel)
+                        continue
+                    chunk = os.read(key.fd, 1 << 16)
+                    if chunk:
+                        sinks[key.fd](chunk)
+                    else:
+                        sel.unregister(key.fd)
+                        del sinks[key.fd]
+        finally:
+            sel.close()
+        return bytes(status)
+
+    def _read_status(self, status: bytearray, sel: selectors.BaseSelector) -> None:
+        chunk = self._receive()
+        if not chunk:
+            raise self._died()
+        status += chunk
+        if status.endswith(b"\n"):
+            sel.unregister(self._control)
+            if status.split()[2:] != [b"1"]:  # left processes: the output may never end
+                raise self._break("could not kill the processes the command left behind")
+
+    def _receive(self) -> bytes:
+        """Up to 64 bytes from the supervisor; b"" once it is gone (a reset included:
+        a killed process that had unread data resets its socket)."""
+        try:
+            return self._control.recv(64)
+        except (ConnectionResetError, BrokenPipeError):
+            return b""
+
+    def _status_line(self, deadline: float) -> bytes:
+        line = b""
+        while not line.endswith(b"\n"):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._break("did not start in time", kill=True)
+            self._control.settimeout(remaining)
+            try:
+                chunk = self._receive()
+            except TimeoutError:
+                continue
+            finally:
+                self._control.settimeout(None)
+            if not chunk:
+                raise self._died()
+            line += chunk
+        return line.strip()
+
+    # -- failures ---------------------------------------------------------------------
+
+    def _died(self) -> base.SandboxError:
+        if self.broken:  # stopped on purpose
+            return base.SandboxError(self.broken)
+        try:
+            _, stderr = self.proc.communicate(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            stderr = b""
+        reason = stderr.decode(errors="replace").strip()[-2000:]
+        return self._break(f"exited (code {self.proc.returncode})"
+                           + (f": {reason}" if reason else ""), kill=True)
+
+    def _break(self, what: str, kill: bool = False) -> base.SandboxError:
+        self.broken = self.broken or f"the sandbox's supervisor {what}"
+        if kill:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        return base.SandboxError(self.broken)
+
+
+class _Pipes:
+    """One command's stdin, stdout and stderr: the supervisor's ends (`theirs`) are
+    closed once sent, ours once the command is done."""
+
+    def __init__(self, with_stdin: bool, merge: bool):
+        self.out_r, self._out_w = os.pipe()
+        self.err_r, self._err_w = os.pipe() if not merge else (None, self._out_w)
+        if with_stdin:
+            self._in_r, self._in_w = os.pipe()
+        else:
+            self._in_r, self._in_w = os.open(os.devnull, os.O_RDONLY), None
+        self._ours = [self.out_r, self.err_r, self._in_w]
+        self._theirs = [self._in_r, self._out_w, self._err_w]
+
+    def theirs(self) -> list[int]:
+        return list(self._theirs)
+
+    def take_stdin(self):
+        """Our end of the stdin pipe, as a file the caller closes."""
+        fd, self._ours[2] = self._in_w, None
+        return os.fdopen(fd, "wb")
+
+    def close_theirs(self) -> None:
+        for fd in set(self._theirs):
+            os.close(fd)
+        self._theirs = []
+
+    def close(self) -> None:
+        for fd in set(self._theirs) | set(self._ours):
+            if fd is not None:
+                os.close(fd)
+        self._theirs = self._ours = []
+
+
+def _feed(pipe, data: bytes) -> None:
+    with contextlib.suppress(BrokenPipeError, ValueError, OSError), pipe:
+        pipe.write(data)
