@@ -336,6 +336,17 @@ def server_pid(sb) -> int:
         return int(f.read().split()[0])
 
 
+def test_local_limits_hold_for_every_command():
+    limits = LocalLimits(cpu_seconds=1, memory_bytes=1 << 30, max_processes=64)
+    with make_sandbox("local", repo_files=FILES, limits=limits) as sb:
+        for _ in range(2):  # the same limits for a later command of the same supervisor
+            assert sb.run("ulimit -t; ulimit -v; ulimit -u").output.split() == [
+                "1", str((1 << 30) // 1024), "64"]
+            res = sb.run("python3 -c 'while True: pass'", timeout=120)
+            # Soft and hard limit are one: the kernel's SIGKILL at the hard limit.
+            assert (res.exit_code, res.timed_out) == (128 + signal.SIGKILL, False), res
+
+
 def test_local_commands_cannot_kill_the_supervisor():
     with make_sandbox("local", repo_files=FILES) as sb:
         assert sb.isolated and sb._uid is not None
