@@ -10,6 +10,12 @@ error of outputs and input gradients against the dense references computed at "h
 matmul precision. `step` times rl.learner's train step (bf16 compute, f32 parameters and
 Adam state, remat=full) on one row of --row-len tokens packed with --segments trajectories,
 and reads the device's peak memory.
+
+The logprob kernels tile the hidden dimension d (kernels/logprob/pallas.py) so that their
+shared memory no longer grows with d; `kernels` checks them at Qwen3-0.6B's and 8B's
+d = 1024 and 4096 with Qwen3's vocabulary. That version has not run on a GPU yet (none
+was available): it was checked against the reference in interpret mode and lowered for
+CUDA on CPU only. Run `python -m bench.gpu_check kernels` on a GPU before relying on it.
 """
 
 from __future__ import annotations
@@ -76,13 +82,11 @@ def check_kernels() -> dict:
             out[name] = {"out": _max_err(o, o_ref),
                          "grads": max(_max_err(a, b) for a, b in zip(g, g_ref, strict=True))}
             _progress(name, out[name])
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype, d in ((jnp.float32, 1024), (jnp.bfloat16, 1024), (jnp.bfloat16, 4096)):
         keys = jax.random.split(jax.random.PRNGKey(1), 4)
-        # d = 256: the kernels hold a [row_block, d] and a [d, vocab_block] tile in shared
-        # memory, which at d = 1024 exceeds the H200's (the api then falls back, logged).
-        n, d, vocab = 4099, 256, 151936
+        n, vocab = 4099, 151936  # Qwen3-0.6B (d = 1024) and 8B (d = 4096) LM heads
         hidden = jax.random.normal(keys[0], (n, d), dtype)
-        head = (jax.random.normal(keys[1], (d, vocab)) * 0.05).astype(dtype)
+        head = (jax.random.normal(keys[1], (d, vocab)) * 0.8 / d ** 0.5).astype(dtype)
         targets = jax.random.randint(keys[2], (n,), 0, vocab)
         mask = jax.random.uniform(keys[3], (n,)) < 0.6
 
@@ -90,10 +94,10 @@ def check_kernels() -> dict:
         with jax.default_matmul_precision("highest"):
             value_ref, grads_ref = _logprob_grads("reference", hidden.astype(jnp.float32),
                                                   head.astype(jnp.float32), targets, mask)
-        out[f"logprob_{jnp.dtype(dtype).name}"] = {
-            "sum": _max_err(value, value_ref),
-            "grads": max(_max_err(a, b) for a, b in zip(grads, grads_ref, strict=True))}
-        _progress(f"logprob_{jnp.dtype(dtype).name}", out[f"logprob_{jnp.dtype(dtype).name}"])
+        name = f"logprob_{jnp.dtype(dtype).name}_d{d}"
+        out[name] = {"sum": _max_err(value, value_ref),
+                     "grads": max(_max_err(a, b) for a, b in zip(grads, grads_ref, strict=True))}
+        _progress(name, out[name])
     return out
 
 

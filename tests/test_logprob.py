@@ -16,10 +16,10 @@ BLOCKS = {"xla": {"row_block": 8, "vocab_block": 64},
           "pallas": {"row_block": 16, "vocab_block": 64, "interpret": True}}
 
 
-def _inputs(dtype, masked_fraction, seed=0):
+def _inputs(dtype, masked_fraction, seed=0, d=D):
     keys = jax.random.split(jax.random.PRNGKey(seed), 6)
-    hidden = jax.random.normal(keys[0], (N, D)).astype(dtype)
-    lm_head = (jax.random.normal(keys[1], (D, V)) * 0.5).astype(dtype)
+    hidden = jax.random.normal(keys[0], (N, d)).astype(dtype)
+    lm_head = (jax.random.normal(keys[1], (d, V)) * (0.5 * (D / d) ** 0.5)).astype(dtype)
     targets = jax.random.randint(keys[2], (N,), 0, V)
     if masked_fraction == 0.5:
         mask = jax.random.permutation(keys[3], jnp.arange(N) % 2 == 0)
@@ -75,6 +75,70 @@ def test_matches_reference(implementation, dtype, temperature, masked_fraction):
         assert np.all(np.asarray(x, np.float32)[masked] == 0.0)
     if masked.all():
         assert np.all(np.asarray(grads[1], np.float32) == 0.0)
+
+
+@pytest.mark.parametrize(("dtype", "d", "masked_fraction"), [
+    (jnp.float32, 200, 0.5), (jnp.float32, 48, 0.0), (jnp.bfloat16, 200, 0.0)])
+def test_pallas_accumulates_logits_over_chunks_of_d(dtype, d, masked_fraction):
+    """d = 200 is four 64-wide chunks, the last one zero-padded; 48 is three 16-wide ones."""
+    d_block = 64 if d == 200 else 16
+    hidden, lm_head, targets, mask, cotangents = _inputs(dtype, masked_fraction, seed=5, d=d)
+    args = (hidden, lm_head, targets, mask, cotangents, 0.7)
+    outputs, grads = _value_and_grads("pallas", *args, **BLOCKS["pallas"], d_block=d_block)
+    ref_outputs, ref_grads = _value_and_grads("reference", *args)
+    for actual, expected in zip((*outputs, *grads), (*ref_outputs, *ref_grads), strict=True):
+        _assert_close(actual, expected, dtype)
+    assert grads[0].shape == (N, d) and grads[1].shape == (d, V)
+
+
+@pytest.mark.parametrize("d", [1024, 4096, 5120])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_pallas_blocks_fit_the_shared_memory_budget(d, dtype):
+    """Qwen3-0.6B, 8B and 14B hidden sizes at Qwen3's vocabulary, by the documented model."""
+    from kernels.logprob import pallas
+
+    vocab, itemsize = 151936, jnp.dtype(dtype).itemsize
+    for budget in (pallas.DEFAULT_SHARED_MEMORY, pallas.SHARED_MEMORY_BYTES["8.6"]):
+        engine = pallas.PallasEngine(shared_memory=budget)
+        row_block = engine.rows_per_block(4096)
+        vocab_block, d_block = engine.blocks(row_block, d, vocab, dtype)
+        assert pallas.shared_memory_bytes(row_block, vocab_block, d_block, itemsize) <= budget
+        assert d % d_block == 0 and d_block < d and vocab_block >= 16
+        # Whole [R, d] and [d, C] tiles, as the kernels loaded before, do not fit.
+        assert (row_block + vocab_block) * d * itemsize > budget
+    assert pallas.DEFAULT_SHARED_MEMORY == 232_448
+    assert pallas.shared_memory_bytes(64, 128, 128, 2) == 147_456  # 2 * 24576 * 2 + 8192 * 6
+    with pytest.raises(ValueError, match="no logprob tiles fit 1000 bytes"):
+        pallas.PallasEngine(shared_memory=1000).blocks(64, d, vocab, dtype)
+
+
+def test_pallas_kernels_lower_for_cuda_at_qwen3_shapes():
+    """Lowered (not compiled: no GPU here) for CUDA through Triton at d = 1024 and 5120,
+    V = 151936: three kernels, the logit tiles over 1187 vocabulary blocks."""
+    import re
+
+    from kernels.logprob.chunked import token_logprobs_chunked
+    from kernels.logprob.pallas import PallasEngine
+
+    engine = PallasEngine()
+    triton = "__gpu$xla.gpu.triton"
+
+    def forward_backward(h, w, t, m):
+        outputs, vjp = jax.vjp(lambda h, w: token_logprobs_chunked(h, w, t, m, 1.0, engine),
+                               h, w)
+        return outputs, vjp(outputs)
+
+    for d in (1024, 5120):
+        args = (jax.ShapeDtypeStruct((300, d), jnp.bfloat16),
+                jax.ShapeDtypeStruct((d, 151936), jnp.bfloat16),
+                jax.ShapeDtypeStruct((300,), jnp.int32), jax.ShapeDtypeStruct((300,), bool))
+        exported = jax.export.export(
+            jax.jit(forward_backward), platforms=["cuda"],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(triton)])(*args)
+        text = exported.mlir_module()
+        grids = re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+)", text)
+        assert text.count(triton) == 3 and sorted(grids) == [
+            ("1187", "1"), ("5", "1"), ("5", "1187")], grids
 
 
 def test_entropy_gradient_alone_matches_reference():

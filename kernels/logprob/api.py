@@ -25,6 +25,7 @@ def token_logprobs(
     implementation: str | None = None,
     row_block: int | None = None,
     vocab_block: int | None = None,
+    d_block: int | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Log-prob of each target token and entropy, without materialising [N, V] logits.
@@ -46,6 +47,8 @@ def token_logprobs(
         kernels.fallback.KernelUnavailable).
       row_block, vocab_block: tile sizes of the chosen engine; None keeps its defaults
         (xla 1024 x 4096 for CPU caches, pallas 64 x 128 for GPU tiles).
+      d_block: pallas only: width of the chunks of d each logit tile is accumulated over;
+        None takes the largest that fits the GPU's shared memory (kernels.logprob.pallas).
       interpret: run the Pallas kernels in interpret mode (CPU tests).
 
     Returns:
@@ -56,7 +59,8 @@ def token_logprobs(
     if hidden.ndim == 3:
         one_row = lambda h, t, m: token_logprobs(
             h, lm_head, t, m, temperature=temperature, implementation=implementation,
-            row_block=row_block, vocab_block=vocab_block, interpret=interpret)
+            row_block=row_block, vocab_block=vocab_block, d_block=d_block,
+            interpret=interpret)
         if not targets.shape == mask.shape == hidden.shape[:2]:
             raise ValueError(f"targets and mask must be [R, N]={hidden.shape[:2]}, got "
                              f"{targets.shape} and {mask.shape}")
@@ -73,11 +77,13 @@ def token_logprobs(
         return token_logprobs_reference(hidden, lm_head, targets, mask, temperature)
     blocks = {name: size for name, size in (("row_block", row_block),
                                             ("vocab_block", vocab_block)) if size is not None}
-    if any(not isinstance(size, int) or size < 1 for size in blocks.values()):
-        raise ValueError(f"block sizes must be positive integers, got {blocks}")
+    if any(not isinstance(size, int) or size < 1 for size in (*blocks.values(), d_block)
+           if size is not None):
+        raise ValueError(f"block sizes must be positive integers, got "
+                         f"{dict(blocks, d_block=d_block)}")
     engine = XlaEngine(**blocks)
     if implementation == "pallas" or (implementation is None and not on_cpu):
-        pallas_engine = PallasEngine(**blocks, interpret=interpret)
+        pallas_engine = PallasEngine(**blocks, d_block=d_block, interpret=interpret)
         check = _ForwardBackward(pallas_engine, temperature)
         args = fallback.signature(hidden, lm_head, targets, mask)
         # Interpreted kernels always run; compiled ones are checked first.
