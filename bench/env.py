@@ -2,6 +2,12 @@
 
     python -m bench.env [--levels 1,4,8,16,32] [--per_slot 2] [--image swe-sandbox:test]
     python -m bench.env --levels 8 --hosts unix:///var/run/docker.sock,unix:///var/run/docker-2.sock
+    python -m bench.env --backends local --old 3277056
+
+The local backend runs twice at each level: this tree's, and the one of `--old` (a
+commit, read from git: its env/sandbox/local.py and supervise.py, imported beside this
+tree's), which started a supervisor process per command. `local_new_over_old` is the
+ratio of their episodes/s; `load` is the load average before and after the run.
 
 Each episode is a whole expert demonstration: a fresh sandbox, every tool call with
 its per-step patch, the reward run of the tests, and teardown. For each backend and
@@ -20,11 +26,15 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 
-from env.episode import Episode, sandbox_factory
+from env.episode import Episode, sandbox_factory, sandbox_spec
 from env.miniswe import expert_demo, generate_tasks
 
 
@@ -59,6 +69,38 @@ def _guarded(factory, task) -> str:
         return run_episode(factory, task)
     except Exception as e:  # noqa: BLE001 - a crash is a benchmark error to report
         return f"{task.instance_id}: {type(e).__name__}: {e}"
+
+
+def old_local_factory(old: str, root: str):
+    """task -> a LocalSandbox of commit `old`, imported as package `sandbox_old` under
+    `root` (its supervise.py beside it, where its local.py looks for it)."""
+    package = os.path.join(root, "sandbox_old")
+    os.makedirs(package, exist_ok=True)
+    open(os.path.join(package, "__init__.py"), "w").close()
+    for name in ("local", "supervise"):
+        src = subprocess.run(["git", "show", f"{old}:env/sandbox/{name}.py"], check=True,
+                             capture_output=True, text=True).stdout
+        with open(os.path.join(package, f"{name}.py"), "w") as f:
+            f.write(src)
+    sys.path.insert(0, root)
+    cls = importlib.import_module("sandbox_old.local").LocalSandbox
+    return lambda task: cls(**sandbox_spec(task, "local"))
+
+
+def measure_local(tasks, levels: list[int], per_slot: int, old: str) -> dict:
+    """Old and new local sandboxes, one after the other at each level."""
+    rows: dict = {"local": [], "local_old": []}
+    with tempfile.TemporaryDirectory() as root:
+        factories = {"local_old": old_local_factory(old, root),
+                     "local": sandbox_factory("local")}
+        for c in levels:
+            for name, factory in factories.items():
+                print(f"{name} c={c}", file=sys.stderr)
+                rows[name].append(measure(factory, tasks[:c * per_slot], c))
+    rows["local_new_over_old"] = {
+        str(new["concurrency"]): round(new["episodes_per_s"] / was["episodes_per_s"], 2)
+        for new, was in zip(rows["local"], rows["local_old"], strict=True)}
+    return rows
 
 
 def docker_factory(image: str, max_concurrency: int):
@@ -102,17 +144,22 @@ def main() -> None:
     parser.add_argument("--image", default="swe-sandbox:test")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hosts", default="", help="Docker engine URLs, comma-separated")
+    parser.add_argument("--backends", default="local,docker")
+    parser.add_argument("--old", default="3277056",
+                        help="commit of the local backend to compare with (per-command "
+                             "supervisor)")
     args = parser.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
+    backends = args.backends.split(",")
     tasks = generate_tasks(max(levels) * args.per_slot, seed=args.seed)
 
-    result: dict = {"levels": levels, "per_slot": args.per_slot, "local": [], "docker": []}
-    local = sandbox_factory("local")
-    for c in levels:
-        print(f"local c={c}", file=sys.stderr)
-        result["local"].append(measure(local, tasks[:c * args.per_slot], c))
+    result: dict = {"levels": levels, "per_slot": args.per_slot, "cpus": os.cpu_count(),
+                    "load": {"before": os.getloadavg()}, "local": [], "docker": []}
+    if "local" in backends:
+        result.update(measure_local(tasks, levels, args.per_slot, args.old))
 
-    factory, live = docker_factory(args.image, max(levels))
+    factory, live = docker_factory(args.image, max(levels)) if "docker" in backends else (
+        None, "not asked for (--backends)")
     if factory is None:
         result["docker_unavailable"] = live
     else:
@@ -125,11 +172,13 @@ def main() -> None:
         clean = [r["concurrency"] for r in result["docker"]
                  if not r["errors"] and not r["leaked_containers"]]
         result["docker_max_clean_concurrency"] = max(clean, default=0)
-        result["docker_over_local_throughput"] = {
-            str(d["concurrency"]): round(d["episodes_per_s"] / lo["episodes_per_s"], 3)
-            for d, lo in zip(result["docker"], result["local"], strict=True)}
+        if result["local"]:
+            result["docker_over_local_throughput"] = {
+                str(d["concurrency"]): round(d["episodes_per_s"] / lo["episodes_per_s"], 3)
+                for d, lo in zip(result["docker"], result["local"], strict=True)}
     if args.hosts:
         result["fleet"] = measure_fleet(args.hosts.split(","), args.image, tasks, max(levels))
+    result["load"]["after"] = os.getloadavg()
     print(json.dumps(result))
 
 
