@@ -343,11 +343,13 @@ class SGLangClient(Engine):
             self._session_loop = loop
         return self._session
 
-    async def _post(self, server: _Server, route: str, payload: dict[str, Any]) -> Any:
-        """POST JSON; 5xx and connection failures raise ServerError, other non-200s
-        EngineError (ContextLengthError for a context overflow), with the server's text."""
+    async def _post(self, server: _Server, route: str, payload: dict[str, Any] | None) -> Any:
+        """POST JSON (GET when payload is None); 5xx and connection failures raise
+        ServerError, other non-200s EngineError (ContextLengthError for a context
+        overflow), with the server's text."""
+        method = "GET" if payload is None else "POST"
         try:
-            async with self._http().post(server.url + route, json=payload) as r:
+            async with self._http().request(method, server.url + route, json=payload) as r:
                 raw = await r.read()
                 if r.status >= 500:
                     raise ServerError(f"{route} answered HTTP {r.status}: "
@@ -391,9 +393,9 @@ class SGLangClient(Engine):
             except (ServerError, EngineError) as e:
                 attempt = await self._failed(server, e, attempt)
                 continue
-            begun, started_on = server.reloads_begun, server.version
             server.outstanding += 1
             try:
+                begun, started_on = server.reloads_begun, await self._serving(server)
                 body = await self._post(server, "/generate", payload)
             except ServerError as e:
                 attempt = await self._failed(server, e, attempt)
@@ -421,6 +423,18 @@ class SGLangClient(Engine):
                            for s in self.servers)
         raise EngineError(f"no inference server answered after {self.max_retries + 1} "
                           f"attempts: {status}")
+
+    async def _serving(self, server: _Server) -> int:
+        """The weight version `server` serves now: the one this client loaded into it; for
+        a client that has loaded none (the servers are shared with another process's
+        client, which updates them), the integer `weight_version` the server reports
+        (/get_model_info, as the updating client sent it; 0 for the weights it started
+        with)."""
+        if self.version:
+            return server.version
+        reported = str((await self._post(server, "/get_model_info", None)).get(
+            "weight_version", ""))
+        return int(reported) if reported.isdigit() else 0
 
     async def _failed(self, server: _Server, error: BaseException, attempt: int) -> int:
         self._mark_down(server, error)

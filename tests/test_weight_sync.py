@@ -23,10 +23,10 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def expected_ids(prompt, n):
+def expected_ids(prompt, n, vocab=1000):
     out = []
     for _ in range(n):
-        out.append(next_token(list(prompt) + out))
+        out.append(next_token(list(prompt) + out, vocab))
     return out
 
 
@@ -103,6 +103,49 @@ def test_one_reload_per_server_with_32_in_flight(tmp_path, mode):
         assert res.finish_reason == "length" and res.policy_version == 0
     assert late.policy_version == 1
     assert sum(s.generated_requests for s in stubs_holder) >= 33
+
+
+def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path):
+    """Multi-host runs: process 0's client updates the shared servers and the other
+    processes' clients, which load no weights, record the version each result (and each
+    turn of a rollout) was sampled under: the one served when it started, so a request
+    in flight across an update records the older one."""
+    from env import miniswe
+    from env.episode import sandbox_factory
+    from rl import setup
+    from rl.rollout import Agent, RolloutConfig, RolloutJob, collect_groups
+
+    weights = tmp_path / "w1"
+    weights.mkdir()
+    tasks = miniswe.generate_tasks(1, seed=3, difficulties=(0,))
+    tokenizer = train_bpe(setup.tokenizer_corpus(tasks), 400)
+    cfg = RolloutConfig(max_steps=2, max_turn_tokens=8, max_response_tokens=100,
+                        max_context=4096, test_timeout_s=30.0)
+
+    async def body(stubs):
+        urls = [s.url for s in stubs]
+        updater = sglang.SGLangClient(urls, sync_mode="pause", export_dir=str(tmp_path))
+        follower = sglang.SGLangClient(urls)
+        (before,) = await follower.generate([GenerateRequest([3, 4], 5)])
+        spanning = asyncio.ensure_future(follower.generate([GenerateRequest([1, 7, 9], 80)]))
+        await asyncio.sleep(0.05)
+        await updater.update_weights(str(weights))
+        (after,) = await follower.generate([GenerateRequest([3, 4], 5)])
+        (spanned,) = await spanning
+        agent = Agent(follower, tokenizer, sandbox_factory("local"), cfg,
+                      max_concurrent_envs=1, tools_in_prompt=False)
+        try:
+            (group,) = await collect_groups(agent, [RolloutJob(tasks[0])], 1)
+        finally:
+            agent.close()
+            await updater.aclose()
+            await follower.aclose()
+        return before, spanned, after, group[0]
+
+    before, spanned, after, traj = run(with_stubs(2, body, vocab=400, token_s=0.002))
+    assert spanned.output_ids == expected_ids([1, 7, 9], 80, vocab=400)
+    assert (before.policy_version, spanned.policy_version, after.policy_version) == (0, 0, 1)
+    assert len(traj.turns) == 2 and [t.policy_version for t in traj.turns] == [1, 1]
 
 
 def test_exports_rotate_and_are_bf16(tmp_path):
