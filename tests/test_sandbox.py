@@ -347,6 +347,18 @@ def test_local_limits_hold_for_every_command():
             assert (res.exit_code, res.timed_out) == (128 + signal.SIGKILL, False), res
 
 
+def test_local_command_text_reaches_bash_whole():
+    """Short scripts go to bash through argv, long ones (or with a NUL) through a memfd:
+    both run the same text."""
+    with make_sandbox("local", repo_files=FILES) as sb:
+        for filler in ("", "☃" * 40_000):  # 120 KB of UTF-8: over the argv path's size
+            res = sb.run(f": '{filler}'\nprintf '%s|' \"$0\" done\nfoo_missing\nexit 7")
+            assert res.exit_code == 7 and res.output.startswith("bash|done|"), res.output[:200]
+            assert "line 3: foo_missing: command not found" in res.output
+        res = sb.run("echo a\0b")  # bash drops the NUL, as it does reading any script
+        assert res.exit_code == 0 and res.output.endswith("ab\n"), res.output
+
+
 def test_local_commands_cannot_kill_the_supervisor():
     with make_sandbox("local", repo_files=FILES) as sb:
         assert sb.isolated and sb._uid is not None

@@ -243,6 +243,8 @@ class LocalSandbox(base.Sandbox):
         try:
             done = self._supervisor.run(argv, timeout, stdin, merge, cap, script)
         except base.SandboxError:
+            if self._uid is not None:  # a dead supervisor's processes may still be dying
+                kill_uid_processes(self._uid)
             if self._closed:
                 raise base.SandboxError("sandbox was closed while the command ran") from None
             raise

@@ -6,7 +6,7 @@ CONTROL_FD CONFIG_JSON`, as a new session leader, in the repository root. It ser
 requests on CONTROL_FD (a Unix stream socket) one at a time: a 4-byte big-endian
 length, the request's JSON, and three file descriptors passed with the length
 (SCM_RIGHTS): the command's stdin, stdout and stderr. The command's text travels in
-the request, never in argv (which execve caps at 128 KiB per string). For each request
+the request, so its length is not bounded by argv (see ARGV_SCRIPT_CHARS). For each request
 it forks the command (no new interpreter: a fork of this process that execs at once),
 waits for it with a wall-clock deadline, kills every process the command left, and
 answers "EXIT_CODE TIMED_OUT CLEAN\n". End of file on CONTROL_FD (the sandbox closed,
@@ -35,7 +35,7 @@ signal N, -1 on timeout. SIGTERM/SIGINT end the server after the clean-up.
 Config keys: uid/gid (int | null: keep the caller's), rlimits ({"RLIMIT_CPU": n, ...};
 "RLIMIT_NPROC" counts on top of the uid's running processes when uid is null, since the
 count is per user), isolate (str | null). Request keys: argv (list[str]), script (str |
-null: when given, bash runs it, read from fd 3, instead of argv), timeout (s).
+null: when given, bash runs it instead of argv), timeout (s).
 """
 
 import contextlib
@@ -61,7 +61,11 @@ SYS_MOUNT_SETATTR, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, 0x8000, 0x1
 SIOCSIFFLAGS, IFF_UP = 0x8914, 0x1
 SHM_OPTIONS = "size=64m,mode=1777"
 MAX_FDS = 1 << 20
-# bash runs the script from fd 3 (`$(...)` reads it before fd 3 is closed for the command).
+# A script this short (at most 4 bytes a character) fits in one argv string, which
+# execve caps at 128 KiB: bash gets it with -c, as `eval` of it would run it.
+ARGV_SCRIPT_CHARS = 32 << 10
+# A longer one (or one with a NUL, which argv cannot hold) bash reads from fd 3 (`$(...)`
+# reads it before fd 3 is closed for the command): one more process, `cat`.
 RUN_SCRIPT = 'eval "$(cat <&3)" 3<&-'
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -215,14 +219,16 @@ def _exec_child(cfg, request, fds):
             signal.signal(signum, signal.SIG_DFL)
         for target, fd in enumerate(fds):
             os.dup2(fd, target)
-        argv = request["argv"]
-        if request["script"] is not None:
+        argv, script = request["argv"], request["script"]
+        if script is not None and len(script) <= ARGV_SCRIPT_CHARS and "\0" not in script:
+            argv, script = ["bash", "-c", script], None
+        elif script is not None:
             fd = os.memfd_create("command", 0)
-            os.write(fd, request["script"].encode("utf-8", "surrogateescape"))
+            os.write(fd, script.encode("utf-8", "surrogateescape"))
             os.lseek(fd, 0, os.SEEK_SET)
             os.dup2(fd, 3)
             argv = ["bash", "-c", RUN_SCRIPT]
-        os.closerange(4 if request["script"] is not None else 3, MAX_FDS)
+        os.closerange(4 if script is not None else 3, MAX_FDS)
         if cfg["uid"] is not None:
             os.setgroups([])
             os.setgid(cfg["gid"])
