@@ -1,11 +1,11 @@
 """mini-SWE generation and the scripted expert.
 
 References: the generated tests run by the host's Python in a plain directory
-(independent of the sandboxes) for the FAIL_TO_PASS / PASS_TO_PASS lists; the full
-acceptance sweep runs 200 tasks through real sandboxes of each backend.
+(independent of the sandboxes) for the FAIL_TO_PASS / PASS_TO_PASS lists; a stratified
+sample of the 200-task acceptance set runs through real sandboxes of each backend (the
+whole set: `python -m bench.miniswe`).
 """
 
-import concurrent.futures
 import json
 import os
 import random
@@ -15,7 +15,8 @@ import sys
 import pytest
 from sandbox_backends import BACKENDS, backend_factory
 
-from env.episode import Episode, sandbox_factory
+from bench.miniswe import sweep
+from env.episode import sandbox_factory
 from env.grading import grade, parse_unittest
 from env.miniswe import TEST_RUN, expert_demo, generate_tasks
 from env.tools import parse_tool_call
@@ -126,51 +127,56 @@ def test_expert_text_and_imperfect_demos():
         expert_demo(generate_tasks(1)[0].__class__("x", "y", repo_files={}))
 
 
-def _run_demo(factory, task, demo, checks=None) -> list[str]:
-    """Runs a demo in a fresh episode; `checks(sandbox)` runs before the demo and after
-    its reward, in the same sandbox. Returns what went wrong."""
-    with Episode(factory, task) as episode:
-        episode.reset()
-        if episode.status == "env_error":
-            return [f"env_error at reset: {episode.error}"]
-        problems = checks(episode.sandbox, before=True) if checks else []
-        for tool_call in demo.calls:
-            if episode.done:
-                break
-            episode.step(tool_call)
-        reward = episode.reward()
-        if episode.status != "finished" or reward != float(demo.correct):
-            problems.append(f"demo correct={demo.correct} ({demo.mistake}): "
-                            f"{episode.status} reward={reward} {episode.error}")
-        elif checks:
-            problems += checks(episode.sandbox, before=False)
-    return problems
+def _stratum(task) -> tuple[str, int]:
+    return task.repo, task.difficulty
 
 
-def _check_task(factory, task, index: int) -> list[str]:
-    """Untouched -> 0, expert -> 1, then reset to the base tree: gold -> 1, all in the
-    expert's sandbox; every 5th task also an imperfect demo -> 0 in a sandbox of its own."""
+def _bug_sites(task) -> set[tuple[str, str]]:
+    return {(b["path"], b["function"]) for b in task.metadata["bugs"]}
 
-    def gold_and_untouched(sandbox, before):
-        if before:
-            return [] if grade(task, sandbox)[0] == 0.0 else ["untouched repo passes"]
-        sandbox.run("git reset -q --hard && git clean -fdq")
-        if sandbox.patch() != "":
-            return ["reset to the base tree failed"]
-        sandbox.apply_patch(task.gold_patch)
-        return [] if grade(task, sandbox)[0] == 1.0 else ["gold patch fails"]
 
-    problems = _run_demo(factory, task, expert_demo(task), gold_and_untouched)
-    if index % 5 == 0:
-        problems += _run_demo(factory, task, expert_demo(task, True, random.Random(index)))
-    return [f"{task.instance_id}: {p}" for p in problems]
+def acceptance_sample(tasks, per_template: int = 2) -> list[int]:
+    """Indices of a stratified sample of `tasks`: the first `per_template` of each repo
+    template (helper and caller module) at each difficulty, and every task that plants
+    a bug in a function no earlier pick does."""
+    picked, per, functions = [], {}, set()
+    for i, task in enumerate(tasks):
+        stratum, bugs = _stratum(task), _bug_sites(task)
+        if per.get(stratum, 0) < per_template or not bugs <= functions:
+            picked.append(i)
+            per[stratum] = per.get(stratum, 0) + 1
+            functions |= bugs
+    return picked
+
+
+def imperfect_picks(tasks, indices, per_mistake: int = 2) -> set[int]:
+    """The first `per_mistake` of `indices` whose imperfect demo (rng seed = index) makes
+    each kind of mistake."""
+    picks, seen = set(), {}
+    for i in indices:
+        mistake = expert_demo(tasks[i], True, random.Random(i)).mistake
+        if seen.get(mistake, 0) < per_mistake:
+            picks.add(i)
+            seen[mistake] = seen.get(mistake, 0) + 1
+    return picks
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_200_tasks_gold_untouched_and_expert(request, backend):
+def test_sampled_tasks_gold_untouched_and_expert(request, backend):
+    """Per task: untouched repo -> 0, expert demo -> 1, gold patch -> 1, and imperfect
+    demos -> 0, in real sandboxes of each backend (bench.miniswe.check_task), on a
+    stratified sample of the 200-task acceptance set (seed 2024): every repo template
+    at every difficulty, every function a bug is planted in, every kind of imperfect
+    demo. The full sweep of all 200 tasks is `python -m bench.miniswe --tasks 200`."""
     factory = backend_factory(request, backend)
     tasks = generate_tasks(200, seed=2024)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        results = list(pool.map(lambda it: _check_task(factory, it[1], it[0]), enumerate(tasks)))
-    problems = [p for r in results for p in r]
+    sample = acceptance_sample(tasks)
+    imperfect = imperfect_picks(tasks, sample)
+    assert {_stratum(tasks[i]) for i in sample} == {_stratum(t) for t in tasks}
+    assert len({_stratum(t) for t in tasks}) == 12 and len(sample) <= 40
+    assert set().union(*(_bug_sites(tasks[i]) for i in sample)) == set().union(
+        *map(_bug_sites, tasks))
+    assert {expert_demo(tasks[i], True, random.Random(i)).mistake for i in imperfect} == {
+        "wrong_edit", "finish_early", "half_fix"}
+    problems = sweep(factory, tasks, sample, imperfect.__contains__)
     assert not problems, problems[:5]
