@@ -619,11 +619,23 @@ def parse_version(text: str) -> tuple[int, ...]:
     return tuple(int(g or 0) for g in match.groups())
 
 
-def server_context_length(info: Mapping[str, Any]) -> int | None:
-    """The longest request a server takes, from /get_server_info: its `context_length`
-    (SGLang's --context-length), else None (the model's own limit, not reported)."""
-    value = info.get("context_length")
-    return int(value) if value else None
+def server_context_length(info: Mapping[str, Any]) -> tuple[int, str] | None:
+    """The longest request (prompt + output) a server takes, from /get_server_info, and
+    the field it comes from; None when it reports neither.
+
+    SGLang reports its server arguments there, so `context_length` is null unless it was
+    launched with --context-length; its scheduler's `max_req_input_len` is always there:
+    min(context length, KV pool tokens) - 6 (scheduler.py: max_req_len = min(
+    context_len - 1, max_total_num_tokens - 1), max_req_input_len = max_req_len - 5), the
+    model's own limit (or a smaller KV pool) when no --context-length was given. The
+    smaller of the two.
+    """
+    limits = []
+    if info.get("context_length"):
+        limits.append((int(info["context_length"]), "context_length"))
+    if info.get("max_req_input_len"):
+        limits.append((int(info["max_req_input_len"]) + 6, "max_req_input_len + 6"))
+    return min(limits) if limits else None
 
 
 def check_server(url: str, info: Mapping[str, Any], max_context: int, seeded: bool) -> None:
@@ -635,10 +647,14 @@ def check_server(url: str, info: Mapping[str, Any], max_context: int, seeded: bo
         raise EngineError(f"{url} runs SGLang {shown}; this client needs >= "
                           f"{'.'.join(map(str, MIN_VERSION))}")
     limit = server_context_length(info)
-    if limit is not None and limit < max_context:
-        raise EngineError(f"{url} takes at most {limit} tokens (context_length) but "
+    if limit is None:
+        log.warning("%s reports no context limit (context_length, max_req_input_len): "
+                    "rollout.max_context=%d is not checked against it", url, max_context)
+    elif limit[0] < max_context:
+        raise EngineError(f"{url} takes at most {limit[0]} tokens ({limit[1]}) but "
                           f"rollout.max_context is {max_context}; launch it with "
-                          f"--context-length {max_context} or lower rollout.max_context")
+                          f"--context-length {max_context} (and KV cache room for it) or "
+                          f"lower rollout.max_context")
     if seeded and (version < SEED_VERSION or not info.get("enable_deterministic_inference")):
         raise EngineError(
             f"{url} (SGLang {shown}, enable_deterministic_inference="

@@ -14,7 +14,12 @@ What it reproduces:
   requests until `/continue_generation`.
 - Requests longer than `context_length` answer 400 with SGLang's messages.
 - `/get_server_info` reports `version`, `context_length` and
-  `enable_deterministic_inference`; `sampling_seed` is rejected below 0.5.3.
+  `enable_deterministic_inference`, and the scheduler's `max_total_num_tokens` (the KV
+  pool, `kv_tokens`) and `max_req_input_len` = min(context length, KV pool) - 6
+  (scheduler.py: max_req_len = min(...) - 1, max_req_input_len = max_req_len - 5);
+  `context_length` is null unless the server was launched with --context-length
+  (`launched_context_length`), as SGLang's server_args report it. `sampling_seed` is
+  rejected below 0.5.3.
 - A prompt holding `nan_token` finishes with `{"type": "stop", "matched": "NaN happened"}`.
 - `error_style` chooses how 400s are written: SGLang's `{"error": {"message": ...}}`,
   a plain string under "error", or a text body.
@@ -48,8 +53,10 @@ class StubSGLang:
 
     def __init__(self, *, version: str = "0.5.3", context_length: int = 4096,
                  deterministic: bool = True, token_s: float = 0.002, load_s: float = 0.05,
-                 nan_token: int = 999, error_style: str = "object", vocab: int = VOCAB):
+                 nan_token: int = 999, error_style: str = "object", vocab: int = VOCAB,
+                 launched_context_length: bool = True, kv_tokens: int = 1 << 20):
         self.version, self.context_length = version, context_length
+        self.launched_context_length, self.kv_tokens = launched_context_length, kv_tokens
         self.deterministic, self.token_s, self.load_s = deterministic, token_s, load_s
         self.nan_token, self.error_style, self.vocab = nan_token, error_style, vocab
         self.prompt_lengths: list[int] = []  # input length of every /generate
@@ -230,7 +237,10 @@ class StubSGLang:
 
     async def server_info(self, http: web.Request) -> web.Response:
         return web.json_response({
-            "version": self.version, "context_length": self.context_length,
+            "version": self.version,
+            "context_length": self.context_length if self.launched_context_length else None,
+            "max_total_num_tokens": self.kv_tokens,
+            "max_req_input_len": min(self.context_length, self.kv_tokens) - 6,
             "enable_deterministic_inference": self.deterministic,
             "model_path": self.model_path, "skip_tokenizer_init": True})
 

@@ -5,6 +5,7 @@ error behaviour), the launcher's placement, and the recipes' dry runs."""
 import asyncio
 import os
 
+import ml_collections
 import pytest
 from flax import nnx
 
@@ -148,6 +149,34 @@ def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path):
     assert len(traj.turns) == 2 and [t.policy_version for t in traj.turns] == [1, 1]
 
 
+@pytest.mark.parametrize(("stub_kw", "limit", "source"), [
+    ({"context_length": 4096, "launched_context_length": False}, 4096, "max_req_input_len"),
+    ({"context_length": 4096, "kv_tokens": 3000}, 3000, "max_req_input_len"),
+    ({"context_length": 2048}, 2048, "context_length")])
+def test_startup_checks_a_url_servers_own_context_limit(stub_kw, limit, source):
+    """Servers given as URLs: launched without --context-length SGLang reports
+    context_length null, and its limit (the model's, or a smaller KV pool) only through
+    its scheduler; from_config refuses rollout.max_context above it either way."""
+    from configs.common import sglang_defaults
+
+    def config(urls, max_context):
+        sg = ml_collections.ConfigDict(sglang_defaults())
+        sg.update(urls=tuple(urls), deterministic=True)
+        return ml_collections.ConfigDict(dict(seed=0, model=dict(hf_path=""),
+                                              rollout=dict(max_context=max_context),
+                                              engine=dict(kind="sglang", sglang=sg)))
+
+    async def body(stubs):
+        url = stubs[0].url
+        client = await asyncio.to_thread(sglang.from_config, config([url], limit), "/tmp")
+        await client.aclose()
+        with pytest.raises(EngineError, match=rf"{url} takes at most {limit} tokens "
+                                              rf"\({source}.*rollout.max_context is {limit + 1}"):
+            await asyncio.to_thread(sglang.from_config, config([url], limit + 1), "/tmp")
+
+    run(with_stubs(1, body, **stub_kw))
+
+
 def test_exports_rotate_and_are_bf16(tmp_path):
     """10 updates from parameters keep the newest export_keep directories, in bf16."""
     import json
@@ -229,7 +258,7 @@ def test_startup_checks_refuse_with_the_numbers():
 
     info = run(with_stubs(1, body, version="0.5.4rc1", context_length=512))
     assert sglang.parse_version(info["version"]) == (0, 5, 4)
-    assert sglang.server_context_length(info) == 512
+    assert sglang.server_context_length(info) == (512, "context_length")
 
 
 def test_unseeded_client_sends_no_seed():
