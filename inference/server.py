@@ -21,8 +21,14 @@ message; while generation is paused new requests wait (this engine cannot hold a
 running request, so "retract" and "in_place" let running requests finish), and
 "abort" ends running ones; a reload while not paused waits for running requests and
 holds new ones. `max_new_tokens` 0 returns the prompt only; /flush_cache empties
-the engine's prefix cache. Seeds and stop ids are range-checked here, so a bad one
-fails its own request and not the engine batch it would have joined.
+the engine's prefix cache. Seeds, stop ids and prompt ids are range-checked here, so a
+bad one fails its own request and not the engine batch it would have joined. A batched
+/generate (lists of input_ids) is checked item by item before any item runs, and one
+invalid item fails the whole call with 400, as SGLang's does (its tokenizer manager
+validates every item before sending any to the scheduler, and gathers the items' results
+without return_exceptions). One difference: an aborted request answers finish_reason
+abort with no tokens, where SGLang returns the tokens generated so far (the engine hands
+out results only when a request ends).
 
 Run: `python -m inference.server --preset tiny --seed 0 --port 30000`, or
 `--model-path HF_DIR`, or `--config WORKDIR/config.json` (the model and engine sections
@@ -135,6 +141,9 @@ def parse_generate(body: dict[str, Any], vocab_size: int | None = None
     for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise ValueError(f"input_ids[{i}] must be a list of integers")
+        if vocab_size is not None and any(t >= vocab_size for t in prompt):
+            raise ValueError(f"The input_ids {prompt[:64]} contains values greater than the "
+                             f"vocab size ({vocab_size}).")  # SGLang's words
         requests.append(parse_sampling(params, prompt, vocab_size))
     return batched, requests, rids, logprob
 

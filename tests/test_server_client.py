@@ -257,6 +257,16 @@ def test_sglang_protocol_pause_info_limits_and_range_checks(servers):
             assert [s for s, _ in outcomes] == [400, 400, 400, 200]
             assert "sampling_seed" in outcomes[0][1]["error"]["message"]
             assert "[384]" in outcomes[1][1]["error"]["message"]
+            # A batch with one invalid item is refused whole before any item runs, as
+            # SGLang refuses it; requests sent beside it are served.
+            for sampling, ids, message in (
+                    ([{"max_new_tokens": 4}, {"max_new_tokens": 4, "sampling_seed": -1}],
+                     [[5, 6], [5, 6]], "sampling_seed"),
+                    ({"max_new_tokens": 4}, [[5, 6], [384, 6]],
+                     "greater than the vocab size (384)")):
+                async with http.post(url + "/generate", json={
+                        "input_ids": ids, "sampling_params": sampling}) as r:
+                    assert r.status == 400 and message in (await r.json())["error"]["message"]
             # Paused: a new request waits until generation continues.
             async with http.post(url + "/pause_generation", json={"mode": "retract"}) as r:
                 assert r.status == 200
