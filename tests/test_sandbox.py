@@ -409,7 +409,7 @@ def test_local_supervisor_killed_mid_command_is_an_infrastructure_error(victim):
         with pytest.raises(SandboxError, match="supervisor"):
             sb.read_file("calc.py")
         sb.close()
-        assert not os.path.exists(sb.root)
+        assert not os.path.exists(sb.root) and not running(sb._supervisor.proc.pid)
 
 
 def test_local_supervisor_dying_between_commands_ends_the_episode_as_env_error():
@@ -425,7 +425,9 @@ def test_local_supervisor_dying_between_commands_ends_the_episode_as_env_error()
         observation, done = ep.step({"name": "execute_bash", "arguments": {"command": "true"}})
         assert done and ep.status == "env_error" and ep.error.startswith("SandboxError")
         assert "supervisor" in ep.error and ep.reward() is None
-        assert uid_processes(ep.sandbox._uid) == []
+        uid, supervisor = ep.sandbox._uid, ep.sandbox._supervisor.proc.pid
+        assert uid_processes(uid) == []
+    assert not running(supervisor) and uid_processes(uid) == []
 
 
 def test_local_supervisor_ends_with_its_owner(open_tmp):
