@@ -408,7 +408,12 @@ class SGLangClient(Engine):
             version = started_on if version is None else version
             left = req.max_new_tokens - len(ids)
             # Aborted by a reload (mode "abort", or a server whose pause aborts): continue.
-            if part.finish_reason == "abort" and server.reloads_begun != begun and left > 0:
+            # A client that loads no weights never aborts its requests itself: an abort is
+            # another process's client reloading the shared servers.
+            by_reload = server.reloads_begun != begun or not self.version
+            if part.finish_reason == "abort" and by_reload and left > 0:
+                if not part.output_ids:  # no progress: bounded like a retry
+                    attempt += 1
                 payload = {**payload, "input_ids": list(req.prompt_ids) + ids,
                            "sampling_params": {**payload["sampling_params"],
                                                "max_new_tokens": left}}

@@ -106,11 +106,13 @@ def test_one_reload_per_server_with_32_in_flight(tmp_path, mode):
     assert sum(s.generated_requests for s in stubs_holder) >= 33
 
 
-def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path):
+@pytest.mark.parametrize("mode", ["pause", "abort"])
+def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path, mode):
     """Multi-host runs: process 0's client updates the shared servers and the other
     processes' clients, which load no weights, record the version each result (and each
     turn of a rollout) was sampled under: the one served when it started, so a request
-    in flight across an update records the older one."""
+    in flight across an update records the older one (and, aborted by it, is continued
+    from its tokens so far)."""
     from env import miniswe
     from env.episode import sandbox_factory
     from rl import setup
@@ -125,7 +127,7 @@ def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path):
 
     async def body(stubs):
         urls = [s.url for s in stubs]
-        updater = sglang.SGLangClient(urls, sync_mode="pause", export_dir=str(tmp_path))
+        updater = sglang.SGLangClient(urls, sync_mode=mode, export_dir=str(tmp_path))
         follower = sglang.SGLangClient(urls)
         (before,) = await follower.generate([GenerateRequest([3, 4], 5)])
         spanning = asyncio.ensure_future(follower.generate([GenerateRequest([1, 7, 9], 80)]))
