@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from rl.metrics import drop_rows_after
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # arm name -> config spec (`{seed}` is filled in)
@@ -62,11 +64,28 @@ def warm_start(root: str, seed: int, sets: Sequence[str] = ()) -> str:
     workdir = os.path.join(root, f"seed{seed}", "sft")
     if _record(workdir) is None:
         os.makedirs(workdir, exist_ok=True)
+        # A run has at least one RL step: the smallest one (one task, two rollouts), then
+        # everything after the step-0 checkpoint is removed.
         wall = _train(f"configs/default.py:seed={seed}", workdir,
-                      [*sets, "total_steps=0"], os.path.join(workdir, "log.txt"))
+                      [*sets, "total_steps=1", "batch_tasks=1", "group_size=2"],
+                      os.path.join(workdir, "log.txt"))
+        truncate_to_step0(workdir)
         with open(os.path.join(workdir, "run.json"), "w") as f:
             json.dump({"wall_s": wall, "sets": list(sets)}, f)
     return workdir
+
+
+def truncate_to_step0(workdir: str) -> None:
+    """Leaves a run's workdir as at its step-0 checkpoint: later checkpoints, evals
+    and metric rows removed (TensorBoard events stay)."""
+    ckpt = os.path.join(workdir, "ckpt")
+    for name in os.listdir(ckpt):
+        if name.isdigit() and int(name) > 0:
+            shutil.rmtree(os.path.join(ckpt, name))
+    for name in os.listdir(workdir):
+        if name.startswith("eval_") and not name.startswith("eval_0"):
+            os.remove(os.path.join(workdir, name))
+    drop_rows_after(os.path.join(workdir, "metrics.jsonl"), 0)
 
 
 def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = ()) -> str:

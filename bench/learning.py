@@ -1,12 +1,14 @@
 """Does RL learn on the default? Warm start vs final checkpoint over seeds, with CIs.
 
-    python -m bench.learning [--seeds 0,1,2] [--steps 12] [--eval-tasks 256] [--run]
+    python -m bench.learning [--seeds 0,1,2] [--steps N] [--eval-tasks 400] [--run]
 
 For every seed, the warm start (`seed{S}/sft`) and the final checkpoints of the Prefix
 Sampling arm and the baseline arm (bench.experiments layout under --root) are
-evaluated greedily on the same `--eval-tasks` held-out tasks (train.py --eval_only,
-cached beside each run). Without --run only finished runs are read; with it, missing
-runs and evals are made (bench.experiments.run_arm / final_eval).
+evaluated greedily on the same held-out tasks, those of env.eval_tasks=`--eval-tasks`
+(400 give 260: generated tasks whose statement occurs in training are left out),
+with train.py --eval_only, cached beside each run. Without --run only finished runs
+are read; with it, missing runs and evals are made (bench.experiments.run_arm /
+final_eval).
 
 Gains are paired: the same task and seed under both checkpoints. Their 95% CI is a
 paired bootstrap over seeds and tasks (`paired_bootstrap`). Writes
@@ -30,6 +32,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bench import experiments
+from configs import common
 
 RESULTS = os.path.join(experiments.ROOT, "results")
 
@@ -137,14 +140,16 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--root", default=os.path.join(experiments.ROOT, "runs", "experiments"))
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--eval-tasks", type=int, default=256)
+    p.add_argument("--steps", type=int, default=0, help="RL steps (0: the default config's)")
+    p.add_argument("--eval-tasks", type=int, default=400,
+                   help="env.eval_tasks of the final evals (400 leave 260 held-out tasks)")
     p.add_argument("--arm", default="ps_fixed")
     p.add_argument("--baseline", default="baseline")
     p.add_argument("--run", action="store_true", help="make missing runs and evals")
     p.add_argument("--out", default=RESULTS, help="folder of learning.json and learning.png")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
+    args.steps = args.steps or common.load_config("configs/default.py").total_steps
     if args.run:
         for seed in seeds:
             for arm in (args.arm, args.baseline):
