@@ -65,17 +65,19 @@ def wait_for(condition, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def test_forty_episodes_over_two_engines_survive_losing_one(engines):
+def test_episodes_over_two_engines_survive_losing_one(engines):
+    """24 episodes, 8 at a time, over two engines of 4 sandboxes; the second engine is
+    killed once it holds live episodes and 6 have ended; then 8 more after its restart."""
     (first, second), image = engines
     factory = FleetFactory([first, second], 4, probe_s=0.5, image=image, mem_limit="512m")
     fleet = factory.fleet
-    tasks = generate_tasks(48, seed=5, difficulties=(0, 1))
+    tasks = generate_tasks(32, seed=5, difficulties=(0, 1))
     results = []
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(run_episode, factory, t) for t in tasks[:40]]
+            futures = [pool.submit(run_episode, factory, t) for t in tasks[:24]]
             # Kill the second engine once it holds live episodes and some have ended.
-            wait_for(lambda: sum(f.done() for f in futures) >= 10
+            wait_for(lambda: sum(f.done() for f in futures) >= 6
                      and fleet.metrics()["env/engine1/live"] > 0)
             subprocess.run([SCRIPT, "--stop"], check=True, timeout=120)
             results = [f.result() for f in futures]  # no episode raises
@@ -83,7 +85,7 @@ def test_forty_episodes_over_two_engines_survive_losing_one(engines):
         assert failed, "the killed engine held live episodes"
         assert all(r[2] == second and r[1] is None for r in failed), failed
         on_first = [r for r in results if r[2] == first]
-        assert len(on_first) >= 20 and all(r[:2] == ("finished", 1.0) for r in on_first)
+        assert len(on_first) >= 12 and all(r[:2] == ("finished", 1.0) for r in on_first)
         assert {r[2] for r in results} == {first, second}
         assert fleet.metrics()["env/engine1/up"] == 0.0
         assert fleet.metrics()["env/engine1/errors"] >= 0
@@ -93,7 +95,7 @@ def test_forty_episodes_over_two_engines_survive_losing_one(engines):
         wait_for(lambda: fleet.metrics()["env/engine1/up"] == 1.0)
         assert ours(second, fleet.owner) == []
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            again = list(pool.map(lambda t: run_episode(factory, t), tasks[40:]))
+            again = list(pool.map(lambda t: run_episode(factory, t), tasks[24:]))
         assert all(r[:2] == ("finished", 1.0) for r in again)
         assert {r[2] for r in again} == {first, second}
     finally:

@@ -1,4 +1,4 @@
-"""200 episodes with random kills leave zero containers and zero stray processes.
+"""120 episodes with random kills leave zero containers and zero stray processes.
 
 Generated mini-SWE tasks (difficulty 0) run as env.episode.Episode through a
 `make_pool` pool, CONCURRENCY at a time. A seeded plan gives every episode a kind:
@@ -22,8 +22,8 @@ before the pool's own close, whose label sweep would hide a leak, and again afte
 no process anywhere on the host runs the victims' marker command or names one of the
 containers (shims), this process has no new child, the local sandboxes' uids run
 nothing and their directories are gone. References: the Docker engine's own listing and
-the host's /proc. Kept short (a few execs per episode) to stay within about 90 s on
-2 cores for docker.
+the host's /proc. Kept short (a few execs per episode, 7 waves of CONCURRENCY episodes)
+to stay within about 45 s on 2 cores for docker.
 """
 
 import asyncio
@@ -45,10 +45,10 @@ from env.miniswe import generate_tasks
 from env.sandbox.local import LocalLimits
 from env.sandbox.pool import POOL_LABEL, make_pool
 
-N_EPISODES = 200
+N_EPISODES = 120
 CONCURRENCY = 16
 SEED = 7
-COUNTS = {"kill": 50, "cancel": 6, "creating": 4, "crash": 6}  # the rest are normal
+COUNTS = {"kill": 30, "cancel": 6, "creating": 4, "crash": 6}  # the rest are normal
 GRADED = 0.3  # share of the normal episodes that are graded too
 STEP_TIMEOUT_S = 20.0  # a kill that did not happen shows up as a timeout after this
 FINISH = {"name": "finish", "arguments": {}}
