@@ -176,45 +176,6 @@ def _write_back(pool_k, pool_v, slots, positions, k, v):
             pool_v.at[:, slots[:, None], write].set(v[:, rows, read], mode="drop"))
 
 
-def _attend_one(q, k, v, pos):
-    """softmax(q k^T / sqrt(D)) v of one query per row over cache slots s <= pos[b].
-
-    q: [B,1,H,D]; k, v: [B,W,K,D] with H = K*G (grouped heads); pos: [B] -> [B,1,H,D].
-    Scores and softmax in float32.
-    """
-    b, _, h, d = q.shape
-    kv_heads = k.shape[2]
-    q = q.reshape(b, kv_heads, h // kv_heads, d)
-    scores = jnp.einsum("bkgd,bskd->bkgs", q, k, preferred_element_type=jnp.float32)
-    visible = jnp.arange(k.shape[1])[None, :] <= pos[:, None]
-    scores = jnp.where(visible[:, None, None], scores * d ** -0.5, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgs,bskd->bkgd", probs, v).reshape(b, 1, h, d)
-
-
-def _decode_step(model, token, pos, k, v):
-    """`model.decode` of one token per row (token [B] at position pos [B]) against window
-    caches k, v [L,B,W,K,D] -> (hidden [B,d], k, v).
-
-    The layers are the model's own (norms, projections, rotary, MLP); what differs is
-    how the cache moves: `model.decode` scans the stacked layers with the cache as scanned
-    input and output, which rewrites the whole window every step, while here each layer
-    writes its one new position in place (2.2x faster per step at 48 rows x 1024
-    positions on CPU).
-    """
-    x = model.embed_tokens(token[:, None])
-    graphdef, state = nnx.split(model.layers)
-    rows = jnp.arange(token.shape[0])
-    for i in range(model.cfg.num_layers):
-        layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state))
-        q, k_new, v_new = layer.self_attn.qkv(layer.input_layernorm(x), pos[:, None])
-        k = k.at[i, rows, pos].set(k_new[:, 0].astype(k.dtype))
-        v = v.at[i, rows, pos].set(v_new[:, 0].astype(v.dtype))
-        x = x + layer.self_attn.out(_attend_one(q, k[i], v[i], pos))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.norm(x)[:, 0], k, v
-
-
 def _sample_at(model, hidden, positions, seeds, temperature, top_p, top_k):
     """Samples the token for `positions` [B] from hidden [B,d]."""
     logits = hidden.astype(jnp.float32) @ model.lm_head().astype(jnp.float32)
@@ -266,7 +227,10 @@ def _decode(graphdef, params, pool_k, pool_v, slots, token, pos, remaining, stop
     def body(state):
         i, (k, v), token, pos, n_out, stopped, out_ids, out_logp = state
         active = (n_out < remaining) & ~stopped
-        hidden, k, v = _decode_step(model, token, pos, k, v)
+        filled = jnp.arange(k.shape[2])[None, :] < pos[:, None]
+        hidden, cache = model.decode(token[:, None], pos[:, None],
+                                     qwen3.KVCache(k, v, filled, pos))
+        k, v, hidden = cache.k, cache.v, hidden[:, 0]
         nxt, logp = _sample_at(model, hidden, pos + 1, *sampling)
         out_ids = out_ids.at[:, i].set(nxt)
         out_logp = out_logp.at[:, i].set(logp)

@@ -305,21 +305,45 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn.out(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode(self, x, positions, slots, cache_k, cache_v, filled):
-        """Writes this step's k/v into this layer's cache [B,S,K,D] and attends over the
-        filled slots at or before each token's position (whole empty blocks are skipped).
+    def decode(self, x, positions, slots, index, cache_k, cache_v, filled):
+        """Writes this step's k/v into layer `index` of the stacked cache [L,B,S,K,D] in
+        place and attends over the filled slots at or before each token's position.
 
         slots: [B,T] cache index per token (S for padding: dropped); filled: [B,S] bool.
+        One token per row (T = 1) attends densely over the cache; a prefill chunk goes
+        through kernels.attention, which skips whole empty blocks.
         """
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
         rows = jnp.arange(x.shape[0])[:, None]
-        cache_k = cache_k.at[rows, slots].set(k.astype(cache_k.dtype), mode="drop")
-        cache_v = cache_v.at[rows, slots].set(v.astype(cache_v.dtype), mode="drop")
-        o = attention(q, cache_k, cache_v, (positions >= 0).astype(jnp.int32),
-                      kv_segment_ids=filled.astype(jnp.int32), q_positions=positions,
-                      implementation=self.impl)
+        cache_k = cache_k.at[index, rows, slots].set(k.astype(cache_k.dtype), mode="drop")
+        cache_v = cache_v.at[index, rows, slots].set(v.astype(cache_v.dtype), mode="drop")
+        k, v = cache_k[index], cache_v[index]
+        if x.shape[1] == 1:
+            o = _attend_one(q, k, v, filled & (jnp.arange(k.shape[1])[None] <= positions))
+        else:
+            o = attention(q, k, v, (positions >= 0).astype(jnp.int32),
+                          kv_segment_ids=filled.astype(jnp.int32), q_positions=positions,
+                          implementation=self.impl)
         x = x + self.self_attn.out(o)
         return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
+
+
+def _attend_one(q, k, v, visible):
+    """softmax(q k^T / sqrt(D)) v of one query per row over the `visible` [B,S] slots.
+
+    q: [B,1,H,D]; k, v: [B,S,K,D] with H = K*G (grouped heads) -> [B,1,H,D]. Scores and
+    softmax in float32. Written as products and sums over the cache's own layout (a
+    batched matmul would first copy k and v to put the head axis before the slots).
+    """
+    b, _, h, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, 1, kv_heads, h // kv_heads, d).astype(jnp.float32) * d ** -0.5
+    scores = jnp.sum(q * k[:, :, :, None, :].astype(jnp.float32), axis=-1)  # [B,S,K,G]
+    # A large finite mask value: a row that sees nothing (padding) averages v, not NaN.
+    scores = jnp.where(visible[:, :, None, None], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=1)
+    o = jnp.sum(probs[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)
+    return o.astype(v.dtype).reshape(b, 1, h, d)
 
 
 def stacked_layers(cfg: Qwen3Config, rngs: nnx.Rngs) -> DecoderLayer:
@@ -426,10 +450,12 @@ class Qwen3(nnx.Module):
         valid = cache.valid.at[rows, slots].set(True, mode="drop")
         lengths = jnp.maximum(cache.lengths, jnp.max(positions, axis=1) + 1).astype(jnp.int32)
 
-        def step(layer, x, kv):
-            x, k, v = layer.decode(x, positions, slots, *kv, valid)
-            return x, (k, v)
+        def step(layer, carry, index):
+            x, k, v = carry
+            return layer.decode(x, positions, slots, index, k, v, valid), None
 
-        x, (k, v) = _scan_layers(self.layers, step, self.embed_tokens(tokens), (cache.k, cache.v))
+        (x, k, v), _ = _scan_layers(self.layers, step,
+                                    (self.embed_tokens(tokens), cache.k, cache.v),
+                                    jnp.arange(self.cfg.num_layers))
         cache = KVCache(k=k, v=v, valid=valid, lengths=lengths)
         return self.norm(x), cache
