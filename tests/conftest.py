@@ -4,12 +4,26 @@ Eight fake CPU devices are configured before JAX is imported, so sharding tests 
 on a mesh without special invocation. `REQUIRE_ALL=1` (set by `.ci/run`) turns a
 missing reference (torch/transformers) or a missing Docker engine into a failure:
 in CI nothing skips silently.
+
+One persistent JAX compilation cache serves the whole run: this process and every
+`train.py` (or other Python) subprocess a test starts, which inherit the environment,
+so a tiny model's programs compile once per run, not once per test and process. It
+lives in a temporary directory removed at exit: nothing carries over between runs.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="jax-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    # Cache every program, however fast it compiled (the default skips those under 1 s).
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import pytest  # noqa: E402
 
