@@ -15,7 +15,8 @@ paired bootstrap over seeds and tasks (`paired_bootstrap`). Writes
 results/learning.json (seeds, eval_tasks, warm_start_pass, final_pass, gain_mean,
 gain_ci_low, gain_ci_high, and `ps_vs_baseline` with the same figures for the PS arm
 against the baseline arm) and results/learning.png: held-out pass rate (the runs' own
-eval sets) against RL step, mean over seeds with a bootstrap 95% band.
+eval sets) against RL step, mean over seeds with a bootstrap 95% band, beside the
+training rollout pass rate.
 
 Prints one JSON object; progress goes to stderr.
 """
@@ -118,18 +119,39 @@ def curve(root: str, seeds: Sequence[int], arm: str) -> dict[str, list[float]]:
     return out
 
 
-def plot(path: str, curves: dict[str, dict[str, list[float]]], seeds: int) -> str:
+def rollout_curve(root: str, seeds: Sequence[int], arm: str) -> dict[str, list[float]]:
+    """Training rollout pass rate per RL step (metrics.jsonl), mean and std over the
+    seeds whose run has one."""
+    runs = [os.path.join(root, f"seed{seed}", arm) for seed in seeds]
+    curves = [experiments.rl_curve(experiments.read_metrics(r), "rollout/pass_rate")
+              for r in runs if os.path.exists(os.path.join(r, "metrics.jsonl"))]
+    steps, mean, std = experiments.mean_curve(curves)
+    return {"step": list(steps), "mean": mean.tolist(), "std": std.tolist()}
+
+
+def plot(path: str, curves: dict[str, dict[str, list[float]]],
+         rollouts: dict[str, dict[str, list[float]]], seeds: int) -> str:
+    """Held-out pass rate (95% bootstrap band) and training rollout pass rate (+-std over
+    seeds) against RL step, one line per arm."""
     from bench.plot import COLORS, arm_label, plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+    fig, (ax, ax_r) = plt.subplots(1, 2, figsize=(10, 3.6), dpi=120)
     for arm, c in curves.items():
         color = COLORS.get(arm)
         ax.plot(c["step"], c["mean"], marker="o", ms=3, color=color, label=arm_label(arm, seeds))
         ax.fill_between(c["step"], c["low"], c["high"], alpha=0.2, color=color)
-    ax.set(title="held-out pass rate (95% bootstrap band over seeds and tasks)",
-           xlabel="RL step", ylabel="pass rate")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    for arm, c in rollouts.items():
+        mean, std = np.asarray(c["mean"]), np.asarray(c["std"])
+        ax_r.plot(c["step"], mean, marker="o", ms=3, color=COLORS.get(arm),
+                  label=arm_label(arm, seeds))
+        ax_r.fill_between(c["step"], mean - std, mean + std, alpha=0.2, color=COLORS.get(arm))
+    ax.set(title="held-out greedy pass rate (95% band, seeds x tasks)", xlabel="RL step",
+           ylabel="pass rate")
+    ax_r.set(title="training rollout pass rate (+-std over seeds)", xlabel="RL step",
+             ylabel="pass rate")
+    for a in (ax, ax_r):
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -159,16 +181,20 @@ def main(argv=None) -> dict:
     warm, final = paired(runs["sft"], runs[args.arm], f"sft vs {args.arm}")
     base, final = paired(runs[args.baseline], runs[args.arm], f"{args.baseline} vs {args.arm}")
     result = {"seeds": len(seeds), "eval_tasks": int(min(len(r) for r in warm)),
-              "arm": args.arm, "warm_start_pass": float(np.mean(np.concatenate(warm))),
+              "arm": args.arm, "baseline_arm": args.baseline,
+              "warm_start_pass": float(np.mean(np.concatenate(warm))),
               "final_pass": float(np.mean(np.concatenate(final))),
               **paired_bootstrap(warm, final),
               "ps_vs_baseline": {"baseline_pass": float(np.mean(np.concatenate(base))),
                                  **paired_bootstrap(base, final)}}
     os.makedirs(args.out, exist_ok=True)
-    curves = {arm: curve(args.root, seeds, arm) for arm in (args.arm, args.baseline)}
-    result["figure"] = plot(os.path.join(args.out, "learning.png"), curves, len(seeds))
+    arms = (args.arm, args.baseline)
+    curves = {arm: curve(args.root, seeds, arm) for arm in arms}
+    rollouts = {arm: rollout_curve(args.root, seeds, arm) for arm in arms}
+    result["figure"] = plot(os.path.join(args.out, "learning.png"), curves, rollouts,
+                            len(seeds))
     with open(os.path.join(args.out, "learning.json"), "w") as f:
-        json.dump({**result, "curves": curves}, f, indent=1)
+        json.dump({**result, "curves": curves, "rollout_curves": rollouts}, f, indent=1)
     print(json.dumps(result))
     return result
 

@@ -46,6 +46,9 @@ def test_reads_finished_runs_into_learning_json(tmp_path):
             for name in ("final_eval_40.json", "eval_0.json", "eval_12.json"):
                 rewards = {t: float(rng.random() < p) for t in tasks}
                 (run / name).write_text(json.dumps({"step": 12, "rewards": rewards}))
+            rows = [{"step": 0, "sft/loss": 1.0}] + [
+                {"step": s, "rollout/pass_rate": p + seed / 10} for s in (1, 2)]
+            (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = learning.main(["--root", str(tmp_path), "--eval-tasks", "40", "--out",
                          str(tmp_path / "results")])
     saved = json.loads((tmp_path / "results" / "learning.json").read_text())
@@ -53,4 +56,8 @@ def test_reads_finished_runs_into_learning_json(tmp_path):
     assert saved["gain_ci_low"] < saved["gain_mean"] < saved["gain_ci_high"]
     assert out["ps_vs_baseline"]["gain_mean"] == saved["ps_vs_baseline"]["gain_mean"]
     assert saved["curves"]["ps_fixed"]["step"] == [0, 12]
+    # Training rollout pass rate: RL steps only, mean over seeds (0.5 + 0, 0.1, 0.2).
+    assert saved["rollout_curves"]["ps_fixed"]["step"] == [1, 2]
+    assert np.allclose(saved["rollout_curves"]["ps_fixed"]["mean"], [0.6, 0.6])
+    assert saved["baseline_arm"] == "baseline"
     assert (tmp_path / "results" / "learning.png").exists()
