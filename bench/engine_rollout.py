@@ -1,10 +1,13 @@
 """The default's rollout phase on the embedded engine of an earlier commit and of this tree.
 
     python -m bench.engine_rollout [--old 630a893 | --old DIR] [--rounds 3] [--seed 0]
+        [--ckpt WORKDIR]
 
 Both engines serve the same model (the default config's tiny Qwen3, randomly
 initialised from --seed, so turns run to their token budget rather than a learned
-tool call) with the default's engine options, to the same `Agent`, local sandboxes and
+tool call; or, with --ckpt, the parameters and tokenizer of a run of the default, e.g.
+its SFT warm start, whose turns are the policy's short tool calls) with the default's
+engine options, to the same `Agent`, local sandboxes and
 jobs: one RL step's rollout phase, `batch_tasks` train tasks x `group_size` rollouts,
 as `train.py` collects it. The old engine's code is read from git (`git show
 <old>:inference/embedded.py` and its `sampling.py`) and imported beside this tree's.
@@ -34,7 +37,8 @@ from flax import nnx
 from configs.common import load_config
 from inference.embedded import EmbeddedEngine, options_from_config
 from models import sharding
-from rl import setup
+from rl import learner, setup
+from rl.checkpoint import Checkpointer
 from rl.rollout import Agent, RolloutConfig, RolloutJob, collect_groups
 
 
@@ -80,15 +84,27 @@ async def rollout_phase(agent: Agent, jobs, group_size: int) -> dict:
                 m["time/env_s_sum"] + m["time/generate_s_sum"], 1e-9), 3)}
 
 
+def restore_params(model, config, mesh, run_dir: str) -> int:
+    """Loads the parameters of the latest checkpoint of the run in `run_dir` into
+    `model`; returns its step."""
+    _, abstract = learner.abstract_train_state(model, config.learner, mesh)
+    step, state, _ = Checkpointer(run_dir).restore_latest(abstract, set_aside=False)
+    nnx.update(model, state.params)
+    return step
+
+
 async def run(args) -> dict:
     config = load_config("configs/default.py")
     batch_tasks = args.tasks or config.batch_tasks
     group_size = args.group_size or config.group_size
     train_tasks, _ = setup.tasks(config.env)
     workdir = tempfile.mkdtemp(prefix="engine_rollout_")
-    tokenizer = setup.tokenizer(config, workdir, train_tasks)
+    tokenizer = setup.tokenizer(config, args.ckpt or workdir, train_tasks)
     model_cfg = setup.model_config(config.model, tokenizer.vocab_size)
-    model = setup.model(config.model, model_cfg, sharding.make_mesh(**config.mesh), args.seed)
+    mesh = sharding.make_mesh(**config.mesh)
+    model = setup.model(config.model, model_cfg, mesh, args.seed)
+    if args.ckpt:
+        restore_params(model, config, mesh, args.ckpt)
     weights = nnx.split(model, nnx.Param)
     options = {**options_from_config(config.engine),
                **{k: int(v) for k, v in (o.split("=") for o in args.option)}}
@@ -118,8 +134,9 @@ async def run(args) -> dict:
     tps = {name: float(np.mean([row[name]["tokens_per_s"] for row in steady]))
            for name in engines}
     old, new = tps["old"], tps["new"]
-    return {"old_commit": args.old, "engine_options": options, "model_params": sum(
-                x.size for x in jax.tree.leaves(weights[1])),
+    return {"old_commit": args.old, "checkpoint": args.ckpt or None,
+            "engine_options": options,
+            "model_params": sum(x.size for x in jax.tree.leaves(weights[1])),
             "phase": f"{batch_tasks} tasks x {group_size} rollouts",
             "rounds": rounds, "steady_tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
             "speedup": round(new / old, 2), "cpus": os.cpu_count(),
@@ -132,6 +149,8 @@ def main(argv=None) -> dict:
                    help="the old engine: a commit, or a folder with its embedded.py, sampling.py")
     p.add_argument("--rounds", type=int, default=3, help="phases per engine (round 0 compiles)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt", default="",
+                   help="a run directory of the default (its latest checkpoint and tokenizer)")
     p.add_argument("--option", action="append", default=[],
                    help="KEY=VALUE engine option over the config's (both engines, where known)")
     p.add_argument("--tasks", type=int, default=0, help="tasks per phase (0: the default's)")

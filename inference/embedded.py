@@ -8,8 +8,8 @@ pool) while it generates.
 One scheduler thread runs the device. Each round it admits waiting requests into
 free slots (one jitted prefill of their new tokens), then runs one jitted decode
 chunk: single-token steps over the active rows inside a `lax.while_loop` that stops
-after `chunk_steps` steps or once enough rows have finished (one when requests are
-waiting for a slot). Finished rows' results go back to their callers at once and
+after `chunk_steps` steps or, past `min_chunk_steps`, once enough rows have finished
+(one when requests are waiting for a slot). Finished rows' results go back to their callers at once and
 their slots take the next waiting requests, so short requests never wait for the
 longest row of a batch (continuous batching).
 
@@ -206,9 +206,9 @@ def _prefill(graphdef, params, pool_k, pool_v, slots, tokens, positions, start, 
 @functools.partial(jax.jit, static_argnames=("graphdef", "window", "steps"),
                    donate_argnums=(2, 3))
 def _decode(graphdef, params, pool_k, pool_v, slots, token, pos, remaining, stop_ids, sampling,
-            min_finished, *, window: int, steps: int):
-    """Up to `steps` single-token steps of rows `slots`; stops early once `min_finished`
-    rows have finished (or all have).
+            min_finished, min_steps, *, window: int, steps: int):
+    """Up to `steps` single-token steps of rows `slots`; stops early, after at least
+    `min_steps` steps, once `min_finished` rows have finished (or at once when all have).
 
     Row r feeds token[r] at position pos[r] (positions [0, pos) filled) and samples the
     token of pos[r] + 1, until it emits a stop id (stop_ids [R,S], -1 padded) or has
@@ -244,7 +244,9 @@ def _decode(graphdef, params, pool_k, pool_v, slots, token, pos, remaining, stop
         i, _, _, _, n_out, stopped = state[:6]
         live = remaining > 0
         finished = jnp.sum(live & (stopped | (n_out >= remaining)))
-        return (i < steps) & (finished < jnp.minimum(min_finished, jnp.sum(live)))
+        total = jnp.sum(live)
+        return (i < steps) & (finished < total) & (
+            (finished < jnp.minimum(min_finished, total)) | (i < min_steps))
 
     state = (0, (k, v), token, pos, n_out, stopped, out_ids, out_logp)
     _, (k, v), _, _, n_out, stopped, out_ids, out_logp = jax.lax.while_loop(running, body, state)
@@ -267,7 +269,7 @@ def _split(model) -> tuple[Any, Any]:
 
 # Constructor options a config's `engine` section may set (absent ones keep the defaults).
 CONFIG_OPTIONS = ("max_batch", "max_len", "min_batch", "min_len", "min_cache_len",
-                  "prefix_cache_tokens", "chunk_steps")
+                  "prefix_cache_tokens", "chunk_steps", "min_chunk_steps")
 
 
 def options_from_config(engine_cfg) -> dict[str, int]:
@@ -288,11 +290,16 @@ class EmbeddedEngine(Engine):
       cache); the pool has room for them in whole slots beside the `max_batch` working ones.
     chunk_steps: most decode steps per device call; requests that arrive meanwhile wait
       at most this many steps (a finished row ends the call sooner).
+    min_chunk_steps: fewest decode steps per call unless every row finished (default
+      chunk_steps // 4): when turns are short, rows finish nearly every step, and a call
+      per finished row would spend more on reading the rows' caches and on the host than
+      on the steps; a finished row's result waits at most this many steps.
     """
 
     def __init__(self, model, *, max_batch: int = 32, max_len: int = 2048, min_batch: int = 1,
                  min_len: int = 16, seed: int = 0, prefix_cache_tokens: int = 0,
-                 min_cache_len: int = 1, chunk_steps: int = 32):
+                 min_cache_len: int = 1, chunk_steps: int = 32,
+                 min_chunk_steps: int | None = None):
         self.graphdef, self.params = _split(model)
         self.cfg = nnx.merge(self.graphdef, self.params).cfg
         self.vocab_size = int(self.cfg.vocab_size)
@@ -304,6 +311,8 @@ class EmbeddedEngine(Engine):
         self.chunk_steps = int(chunk_steps)
         if self.chunk_steps < 1:
             raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
+        self.min_steps = max(1, self.chunk_steps // 4 if min_chunk_steps is None
+                             else min(int(min_chunk_steps), self.chunk_steps))
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
         self.num_slots = self.max_batch + -(-int(prefix_cache_tokens) // self.max_len)
         self.version = 0  # weight updates applied; a row reports the one it started under
@@ -505,6 +514,7 @@ class EmbeddedEngine(Engine):
             jnp.asarray([r.fed for r in rows] + [0] * pad, jnp.int32),
             jnp.asarray(remaining + [0] * pad, jnp.int32), jnp.asarray(stop_ids),
             self._sampling(rows, n), jnp.int32(self._finish_quota(len(rows))),
+            jnp.int32(self.min_steps),
             window=window, steps=steps)
         self._pool = (pool_k, pool_v)
         out_ids, out_logp, n_out = jax.device_get((out_ids, out_logp, n_out))
