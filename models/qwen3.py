@@ -311,7 +311,7 @@ class DecoderLayer(nnx.Module):
 
         slots: [B,T] cache index per token (S for padding: dropped); filled: [B,S] bool.
         One token per row (T = 1) attends densely over the cache; a prefill chunk goes
-        through kernels.attention, which skips whole empty blocks.
+        through kernels.attention, which skips whole empty blocks of _CACHE_BLOCK_K slots.
         """
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions)
         rows = jnp.arange(x.shape[0])[:, None]
@@ -323,9 +323,15 @@ class DecoderLayer(nnx.Module):
         else:
             o = attention(q, k, v, (positions >= 0).astype(jnp.int32),
                           kv_segment_ids=filled.astype(jnp.int32), q_positions=positions,
-                          implementation=self.impl)
+                          implementation=self.impl, block_k=_CACHE_BLOCK_K)
         x = x + self.self_attn.out(o)
         return x + self.mlp(self.post_attention_layernorm(x)), cache_k, cache_v
+
+
+# Key block of prefill from a cache: a cache is filled to any length, and the blocks past
+# it are skipped whole (on CPU, [8,128] tokens against 1024 slots filled to ~530: 2.2x
+# faster than the kernel's default 512-slot blocks, the same at 256 slots).
+_CACHE_BLOCK_K = 128
 
 
 def _attend_one(q, k, v, visible):
