@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -95,6 +96,9 @@ def test_resume_drops_events_after_the_resume_step(tmp_path):
     first.write_scalars(20, {"sft/loss": 1.0})
     first.write_scalars(1, {"x": 1.0})
     first.close()
+    # Event files are named by their start's second, then by a per-process counter that
+    # sorts as text (9 after 10): starts a second apart, as separate runs are.
+    time.sleep(1.05)
     second = MetricWriter(str(tmp_path), resume_step=1)
     for step in (2, 3, 4):
         second.write_scalars(step, {"x": float(step)})
@@ -102,6 +106,7 @@ def test_resume_drops_events_after_the_resume_step(tmp_path):
     (last,) = sorted((tmp_path / "tb").iterdir())[-1:]
     with open(last, "ab") as f:
         f.write(b"\x20\x00\x00\x00\x00\x00\x00\x00\x01\x02")  # a record cut short
+    time.sleep(1.05)
     resumed = MetricWriter(str(tmp_path), resume_step=2)
     resumed.write_scalars(3, {"x": 30.0})
     resumed.close()
