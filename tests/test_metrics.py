@@ -114,6 +114,9 @@ def test_resume_drops_events_after_the_resume_step(tmp_path):
                                   "x": [(1, 1.0), (2, 2.0), (3, 30.0)]}
 
     # A fresh start after a kill during SFT keeps nothing of the killed SFT.
-    MetricWriter(str(tmp_path / "sft_only"), resume_step=0).write_scalars(5, {"sft/loss": 3.0})
+    killed = MetricWriter(str(tmp_path / "sft_only"), resume_step=0)
+    killed.write_scalars(5, {"sft/loss": 3.0})
+    killed.close()
+    time.sleep(1.05)
     MetricWriter(str(tmp_path / "sft_only"), resume_step=0).close()
     assert _scalars(tmp_path / "sft_only") == {}
