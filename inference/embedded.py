@@ -9,9 +9,10 @@ One scheduler thread runs the device. Each round it admits waiting requests into
 free slots (one jitted prefill of their new tokens), then runs one jitted decode
 chunk: single-token steps over the active rows inside a `lax.while_loop` that stops
 after `chunk_steps` steps or, past `min_chunk_steps`, once enough rows have finished
-(one when requests are waiting for a slot). Finished rows' results go back to their callers at once and
-their slots take the next waiting requests, so short requests never wait for the
-longest row of a batch (continuous batching).
+(one when requests are waiting for a slot). Finished rows' results go back to their
+callers at once and their slots take the next waiting requests, so short requests never
+wait for the longest row of a batch (continuous batching). An aborted request ends at
+the end of the current call with its tokens so far.
 
 Prefill and decode attend only to the filled part of the cache: each call reads the
 rows it serves cut to a window of whole blocks (a power of two of at least
@@ -64,6 +65,7 @@ class _Pending:
     seed: int
     future: asyncio.Future
     enqueued: float
+    aborted: bool = False
 
 
 @dataclasses.dataclass
@@ -86,8 +88,12 @@ class _Row:
     prefill_s: float = 0.0
 
     @property
-    def done(self) -> bool:
+    def finished(self) -> bool:
         return self.stopped or len(self.output) >= self.pending.request.max_new_tokens
+
+    @property
+    def done(self) -> bool:
+        return self.finished or self.pending.aborted
 
 
 class PrefixCache:
@@ -321,6 +327,7 @@ class EmbeddedEngine(Engine):
         self._free = list(range(self.num_slots))[::-1]
         self._rows: list[_Row] = []
         self._waiting: list[_Pending] = []
+        self._live: dict[int, _Pending] = {}  # id(request) -> its pending, while generating
         self._closed = False
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._serve, name="engine", daemon=True)
@@ -339,8 +346,28 @@ class EmbeddedEngine(Engine):
                             loop.create_future(), now) for r in requests]
         with self._cv:
             self._waiting.extend(pending)
+            self._live.update((id(p.request), p) for p in pending)
             self._cv.notify()
-        return list(await asyncio.gather(*(p.future for p in pending)))
+        try:
+            return list(await asyncio.gather(*(p.future for p in pending)))
+        finally:
+            with self._cv:
+                for p in pending:
+                    self._live.pop(id(p.request), None)
+
+    def abort(self, request: GenerateRequest) -> bool:
+        """A waiting request ends at once with no tokens, a running one at the end of the
+        current device call (at most `chunk_steps` more tokens) with its tokens so far."""
+        with self._cv:
+            pending = self._live.get(id(request))
+            if pending is None or pending.request is not request:
+                return False
+            pending.aborted = True
+            waiting = any(p is pending for p in self._waiting)
+            self._waiting = [p for p in self._waiting if p is not pending]
+        if waiting:
+            _deliver(pending.future, GenerateResult([], [], "abort"))
+        return True
 
     async def update_weights(self, params_or_path) -> None:
         if self._closed:
@@ -553,7 +580,7 @@ class EmbeddedEngine(Engine):
         for r in done:
             _deliver(r.pending.future, GenerateResult(
                 output_ids=r.output, logprobs=r.logprobs,
-                finish_reason="stop" if r.stopped else "length",
+                finish_reason=("stop" if r.stopped else "length") if r.finished else "abort",
                 timings={"prefill_s": r.prefill_s,
                          "decode_s": now - r.started - r.prefill_s,
                          "queue_s": r.started - r.pending.enqueued},

@@ -103,6 +103,12 @@ class Engine(abc.ABC):
     async def update_weights(self, params_or_path: Any) -> None:
         """Serves new weights: a params pytree or a HF safetensors directory."""
 
+    def abort(self, request: GenerateRequest) -> bool:
+        """Ends `request` (an object passed to a `generate` call still running) soon: its
+        result then has finish_reason "abort" and the tokens generated so far. False when
+        this engine cannot (a caller that must stop it cancels the call instead)."""
+        return False
+
     def flush_cache(self) -> None:
         """Drops every cached prompt prefix (SGLang's /flush_cache); a no-op without one."""
         return None

@@ -26,9 +26,8 @@ bad one fails its own request and not the engine batch it would have joined. A b
 /generate (lists of input_ids) is checked item by item before any item runs, and one
 invalid item fails the whole call with 400, as SGLang's does (its tokenizer manager
 validates every item before sending any to the scheduler, and gathers the items' results
-without return_exceptions). One difference: an aborted request answers finish_reason
-abort with no tokens, where SGLang returns the tokens generated so far (the engine hands
-out results only when a request ends).
+without return_exceptions). An aborted request answers finish_reason abort with the
+tokens generated so far, as SGLang's does.
 
 Run: `python -m inference.server --preset tiny --seed 0 --port 30000`, or
 `--model-path HF_DIR`, or `--config WORKDIR/config.json` (the model and engine sections
@@ -193,7 +192,7 @@ class Server:
         self.weight_version = weight_version
         self.context_length = context_length or getattr(engine, "max_len", None)
         self.vocab_size = getattr(engine, "vocab_size", None)
-        self.inflight: dict[str, asyncio.Task] = {}
+        self.inflight: dict[str, tuple[asyncio.Task, GenerateRequest]] = {}
         self.paused = False
         self._resumed = asyncio.Event()
         self._resumed.set()
@@ -234,7 +233,7 @@ class Server:
         for rid, (req, prompt_only) in zip(rids, items, strict=True):
             task = asyncio.ensure_future(_prompt_only(req) if prompt_only
                                          else self.engine.generate([req]))
-            self.inflight[rid] = task
+            self.inflight[rid] = (task, req)
             tasks.append(task)
         try:
             outcomes = await asyncio.gather(*tasks, return_exceptions=True)
@@ -307,7 +306,8 @@ class Server:
                 while self._reloading is not None:
                     await self._reloading.wait()
                 self._reloading = reloading
-                await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+                await asyncio.gather(*(t for t, _ in self.inflight.values()),
+                                     return_exceptions=True)
             await self.engine.update_weights(path)
         except Exception as e:  # noqa: BLE001 - reported to the caller as SGLang does
             return web.json_response({"success": False, "num_paused_requests": 0,
@@ -360,13 +360,15 @@ class Server:
             "enable_deterministic_inference": True,
             "weight_version": self.weight_version, "is_paused": self.paused})
 
-    @staticmethod
-    def _abort(tasks: Sequence[asyncio.Task]) -> None:
-        for task in tasks:
-            task.cancel()
+    def _abort(self, running: Sequence[tuple[asyncio.Task, GenerateRequest]]) -> None:
+        """Ends running requests; they answer finish_reason abort with their tokens so far
+        (or none, from an engine that cannot abort a request: its call is cancelled)."""
+        for task, req in running:
+            if not self.engine.abort(req):
+                task.cancel()
 
     async def _on_shutdown(self, app: web.Application) -> None:
-        for task in list(self.inflight.values()):
+        for task, _ in list(self.inflight.values()):
             task.cancel()
 
 

@@ -325,6 +325,64 @@ def test_flush_cache_empties_the_engines_prefix_cache(models):
         engine.close()
 
 
+def test_abort_returns_the_tokens_generated_so_far(models):
+    """/abort_request and /pause_generation {"mode": "abort"} end a running request with
+    finish_reason abort and its tokens so far: a prefix of the uninterrupted answer."""
+    import time
+
+    from aiohttp import web
+
+    from inference.server import Server
+
+    engine = EmbeddedEngine(models["a"][0], max_batch=4, min_batch=4, max_len=512,
+                            min_len=16, chunk_steps=4)
+    body = {"input_ids": [5, 6, 7], "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 500, "temperature": 0}}
+
+    async def go():
+        runner = web.AppRunner(Server(engine).app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as http:
+                async def generate(rid):
+                    async with http.post(url + "/generate", json={**body, "rid": rid}) as r:
+                        assert r.status == 200
+                        return await r.json()
+
+                await generate("compile")
+                start = time.perf_counter()
+                full = await generate("full")
+                elapsed = time.perf_counter() - start
+                cut = []
+                for route, payload in (("/abort_request", {"rid": "cut"}),
+                                       ("/pause_generation", {"mode": "abort"})):
+                    pending = asyncio.ensure_future(generate("cut"))
+                    await asyncio.sleep(elapsed / 3)
+                    async with http.post(url + route, json=payload) as r:
+                        assert r.status == 200
+                    cut.append(await pending)
+                async with http.post(url + "/continue_generation", json={}) as r:
+                    assert r.status == 200
+                return full, cut
+        finally:
+            await runner.cleanup()
+
+    try:
+        full, cut = run(go())
+    finally:
+        engine.close()
+    assert len(full["output_ids"]) == 500
+    for part in cut:
+        n = len(part["output_ids"])
+        assert part["meta_info"]["finish_reason"]["type"] == "abort" and 0 < n < 500
+        assert part["output_ids"] == full["output_ids"][:n]
+        assert part["meta_info"]["output_token_logprobs"] == \
+            full["meta_info"]["output_token_logprobs"][:n]
+
+
 def test_no_server_up_names_every_url():
     urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
 
