@@ -191,8 +191,8 @@ def main(argv=None) -> dict:
     arms = (args.arm, args.baseline)
     curves = {arm: curve(args.root, seeds, arm) for arm in arms}
     rollouts = {arm: rollout_curve(args.root, seeds, arm) for arm in arms}
-    result["figure"] = plot(os.path.join(args.out, "learning.png"), curves, rollouts,
-                            len(seeds))
+    figure = plot(os.path.join(args.out, "learning.png"), curves, rollouts, len(seeds))
+    result["figure"] = os.path.relpath(figure, experiments.ROOT)  # (the repo moves)
     with open(os.path.join(args.out, "learning.json"), "w") as f:
         json.dump({**result, "curves": curves, "rollout_curves": rollouts}, f, indent=1)
     print(json.dumps(result))
