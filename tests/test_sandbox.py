@@ -786,3 +786,30 @@ def test_docker_frames_already_buffered_with_the_headers_are_kept():
         assert bytes(out) == b"hello world\n" and bytes(err) == b"warn\n"
     finally:
         a.close()
+
+
+def test_sigterm_while_the_main_thread_holds_the_pools_executor_lock(tmp_path):
+    """SIGTERM arriving while the main thread is inside the pool's executor (submit holds
+    its shutdown lock while a worker thread starts, which is when it came in train.py)
+    still ends the process with 128 + 15 and closes the pool's sandboxes."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(textwrap.dedent("""\
+        import asyncio, os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        from env.sandbox.pool import make_pool
+        pool = make_pool("local", 2)
+
+        async def main():
+            async with pool.acquire({"repo_files": {"a": "b"}}) as sb:
+                print(sb.root, flush=True)
+                with pool._executor._shutdown_lock:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(60)
+
+        asyncio.run(main())
+        """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-2000:]
+    (root,) = proc.stdout.split()
+    assert not os.path.exists(root)

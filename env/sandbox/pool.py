@@ -158,7 +158,7 @@ class SandboxPool:
     # -- teardown ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Closes every live sandbox, then runs `on_close`. Idempotent; safe from signals."""
+        """Closes every live sandbox, then runs `on_close`. Idempotent and thread-safe."""
         with self._lock:
             self._closed = True
             live = list(self._live.values())
@@ -223,7 +223,11 @@ def close_all_pools() -> None:
 
 
 def _on_sigterm(signum, frame) -> None:
-    close_all_pools()
+    # The handler runs in the main thread wherever it was interrupted, possibly holding a
+    # lock that closing needs (ThreadPoolExecutor.submit holds its shutdown lock while it
+    # starts a worker): closing here could deadlock. A thread closes the pools as soon as
+    # such locks are free, while the main thread unwinds; the interpreter waits for it.
+    threading.Thread(target=close_all_pools, name="sandbox-pools-close").start()
     previous = _HOOKS["sigterm"]
     if callable(previous):
         previous(signum, frame)
