@@ -2,6 +2,7 @@
 started and stopped by SGLangLauncher; the in-process EmbeddedEngine is the reference."""
 
 import asyncio
+import contextlib
 import os
 import shlex
 import signal
@@ -288,36 +289,43 @@ def test_sglang_protocol_pause_info_limits_and_range_checks(servers):
         run(overflow())
 
 
-def test_flush_cache_empties_the_engines_prefix_cache(models):
-    """/flush_cache on a server whose engine parks prefixes: the next turn prefills all."""
+@contextlib.asynccontextmanager
+async def served(engine):
+    """The project's server on `engine`, in this event loop; yields its URL."""
     from aiohttp import web
 
     from inference.server import Server
 
+    runner = web.AppRunner(Server(engine).app())
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def test_flush_cache_empties_the_engines_prefix_cache(models):
+    """/flush_cache on a server whose engine parks prefixes: the next turn prefills all."""
+
+
     engine = EmbeddedEngine(models["a"][0], prefix_cache_tokens=4096, **ENGINE)
 
     async def go():
-        runner = web.AppRunner(Server(engine).app())
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        url = f"http://127.0.0.1:{port}"
-        try:
-            async with SGLangClient([url]) as client:
-                async def turn(ids):
-                    (res,) = await client.generate([GenerateRequest(ids, 4, temperature=0.0)])
-                    return res
+        async with served(engine) as url, SGLangClient([url]) as client:
+            async def turn(ids):
+                (res,) = await client.generate([GenerateRequest(ids, 4, temperature=0.0)])
+                return res
 
-                first = await turn([5, 6, 7])
-                follow_up = [5, 6, 7, *first.output_ids, 9]
-                assert (await turn(follow_up)).cached_tokens > 0
-                assert len(engine.prefix_cache) > 0
-                async with client._http().post(url + "/flush_cache") as r:
-                    assert r.status == 200
-                assert len(engine.prefix_cache) == 0
-                assert (await turn(follow_up)).cached_tokens == 0
-        finally:
-            await runner.cleanup()
+            first = await turn([5, 6, 7])
+            follow_up = [5, 6, 7, *first.output_ids, 9]
+            assert (await turn(follow_up)).cached_tokens > 0
+            assert len(engine.prefix_cache) > 0
+            async with client._http().post(url + "/flush_cache") as r:
+                assert r.status == 200
+            assert len(engine.prefix_cache) == 0
+            assert (await turn(follow_up)).cached_tokens == 0
 
     try:
         run(go())
@@ -330,9 +338,6 @@ def test_abort_returns_the_tokens_generated_so_far(models):
     finish_reason abort and its tokens so far: a prefix of the uninterrupted answer."""
     import time
 
-    from aiohttp import web
-
-    from inference.server import Server
 
     engine = EmbeddedEngine(models["a"][0], max_batch=4, min_batch=4, max_len=512,
                             min_len=16, chunk_steps=4)
@@ -340,35 +345,27 @@ def test_abort_returns_the_tokens_generated_so_far(models):
             "sampling_params": {"max_new_tokens": 500, "temperature": 0}}
 
     async def go():
-        runner = web.AppRunner(Server(engine).app())
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        url = f"http://127.0.0.1:{port}"
-        try:
-            async with aiohttp.ClientSession() as http:
-                async def generate(rid):
-                    async with http.post(url + "/generate", json={**body, "rid": rid}) as r:
-                        assert r.status == 200
-                        return await r.json()
-
-                await generate("compile")
-                start = time.perf_counter()
-                full = await generate("full")
-                elapsed = time.perf_counter() - start
-                cut = []
-                for route, payload in (("/abort_request", {"rid": "cut"}),
-                                       ("/pause_generation", {"mode": "abort"})):
-                    pending = asyncio.ensure_future(generate("cut"))
-                    await asyncio.sleep(elapsed / 3)
-                    async with http.post(url + route, json=payload) as r:
-                        assert r.status == 200
-                    cut.append(await pending)
-                async with http.post(url + "/continue_generation", json={}) as r:
+        async with served(engine) as url, aiohttp.ClientSession() as http:
+            async def generate(rid):
+                async with http.post(url + "/generate", json={**body, "rid": rid}) as r:
                     assert r.status == 200
-                return full, cut
-        finally:
-            await runner.cleanup()
+                    return await r.json()
+
+            await generate("compile")
+            start = time.perf_counter()
+            full = await generate("full")
+            elapsed = time.perf_counter() - start
+            cut = []
+            for route, payload in (("/abort_request", {"rid": "cut"}),
+                                   ("/pause_generation", {"mode": "abort"})):
+                pending = asyncio.ensure_future(generate("cut"))
+                await asyncio.sleep(elapsed / 3)
+                async with http.post(url + route, json=payload) as r:
+                    assert r.status == 200
+                cut.append(await pending)
+            async with http.post(url + "/continue_generation", json={}) as r:
+                assert r.status == 200
+            return full, cut
 
     try:
         full, cut = run(go())
