@@ -204,22 +204,29 @@ def test_memory_hog_is_contained(make):
     assert sb.run("echo ok").output == "ok\n"
 
 
-def test_close_kills_running_command_and_removes_everything(make):
-    sb = make(repo_files=FILES)
-    sleep = marker_sleep()
+def run_in_background(sb, command: str, marker: str, count: int):
+    """Runs `command` in `sb` on a thread, returning once `count` host processes named
+    `marker` run (or after 10 s); (the thread, {"res": result} or {"err": SandboxError})."""
     result = {}
 
-    def long_run():
+    def target():
         try:
-            result["res"] = sb.run(f"{sleep}", timeout=60)
+            result["res"] = sb.run(command, timeout=60)
         except SandboxError as e:
             result["err"] = e
 
-    thread = threading.Thread(target=long_run)
+    thread = threading.Thread(target=target)
     thread.start()
     deadline = time.monotonic() + 10
-    while not host_processes(sleep, exact=True) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while len(host_processes(marker, exact=True)) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return thread, result
+
+
+def test_close_kills_running_command_and_removes_everything(make):
+    sb = make(repo_files=FILES)
+    sleep = marker_sleep()
+    thread, result = run_in_background(sb, sleep, sleep, 1)
     assert host_processes(sleep)
     sb.close()
     thread.join(10)
@@ -384,19 +391,7 @@ def test_local_background_children_are_killed_after_each_command():
 def test_local_supervisor_killed_mid_command_is_an_infrastructure_error(victim):
     with make_sandbox("local", repo_files=FILES) as sb:
         sleep = marker_sleep()
-        result = {}
-
-        def run():
-            try:
-                result["res"] = sb.run(f"{sleep} & {sleep}", timeout=60)
-            except SandboxError as e:
-                result["err"] = e
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while len(host_processes(sleep, exact=True)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        thread, result = run_in_background(sb, f"{sleep} & {sleep}", sleep, 2)
         if victim == "group":  # as `kill -9 -PGID` of the supervisor would
             os.killpg(sb._supervisor.proc.pid, signal.SIGKILL)
         else:
