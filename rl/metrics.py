@@ -105,7 +105,8 @@ def drop_events_after(tb_dir: str, step: int) -> int:
         dropped += sum(e.HasField("summary") for _, e in file_events[keep:])
         if keep == 0:
             os.remove(path)
-        elif keep < len(file_events) or i == cut[0]:  # (also drops a record cut short)
+        elif keep < len(file_events) or os.path.getsize(path) != sum(
+                len(record) + 16 for record, _ in file_events):  # (+ length, 2 CRCs) cut short
             with open(path + ".tmp", "wb") as f:
                 writer = RecordWriter(f)
                 for record, _ in file_events[:keep]:
