@@ -155,7 +155,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
     first_step = 0
     resumed = ckpt.latest_step() is not None
     if resumed:
-        state, host = restore(config, ckpt, None, graphdef, state, mesh)
+        _, state, host = restore(config, ckpt, None, graphdef, state, mesh)
         first_step = int(host["step"])
         algo.load_state_dict(host)
         log.info("resumed from %s at step %d (host state %s)", ckpt.directory, first_step,
@@ -264,7 +264,7 @@ def kl_reference(config, workdir: str, resumed: bool, ckpt: Checkpointer, graphd
         if 0 not in ckpt.all_steps():
             raise FileNotFoundError(f"learner.loss.kl={kl!r}: no reference policy in {path} "
                                     "and no step-0 checkpoint to take it from")
-        state = restore(config, ckpt, 0, graphdef, state, mesh)[0]
+        state = restore(config, ckpt, 0, graphdef, state, mesh)[1]
         log.info("KL reference: the step-0 checkpoint's parameters")
     reference = Reference(state.params, kl, compute_logprobs, mesh)
     reference.save(path)
@@ -303,14 +303,16 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
     return out
 
 
-def restore(config, ckpt: Checkpointer, step: int | None, graphdef, state, mesh):
-    """(train state, host state) of checkpoint `step`, laid out like `state`; step None:
-    the latest that reads back (a damaged newer step is skipped with a warning)."""
+def restore(config, ckpt: Checkpointer, step: int | None, graphdef, state, mesh,
+            set_aside: bool = True):
+    """(step, train state, host state) of checkpoint `step`, laid out like `state`; step
+    None: the latest that reads back (a damaged newer step is skipped with a warning, and
+    moved aside unless `set_aside` is False)."""
     _, abstract = learner.abstract_train_state(nnx.merge(graphdef, state.params),
                                                config.learner, mesh)
     if step is None:
-        return ckpt.restore_latest(abstract)[1:]
-    return ckpt.restore(step, abstract)
+        return ckpt.restore_latest(abstract, set_aside)
+    return (step, *ckpt.restore(step, abstract))
 
 
 async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh, engine,
@@ -323,9 +325,7 @@ async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh,
         raise FileNotFoundError(f"--eval_only: no checkpoint in {ckpt.directory}")
     # The newest step that reads back (a damaged newer one is named in a warning and left
     # where it is); the output's name and rows carry the step evaluated.
-    _, abstract = learner.abstract_train_state(nnx.merge(graphdef, state.params),
-                                               config.learner, mesh)
-    step, state, _ = ckpt.restore_latest(abstract, set_aside=False)
+    step, state, _ = restore(config, ckpt, None, graphdef, state, mesh, set_aside=False)
     await distributed.sync_weights(engine, state.params, config.engine.kind == "sglang")
     await evaluate(config, agent, tasks, None, step, workdir,
                    path or os.path.join(workdir, f"eval_only_{step}_{len(tasks)}tasks.json"))
