@@ -378,14 +378,20 @@ class EmbeddedEngine(Engine):
         return not self._closed and self._thread.is_alive()
 
     def close(self) -> None:
+        """Aborts what is waiting and returns once the scheduler thread has stopped: a
+        daemon thread still inside a device call when the interpreter exits aborts the
+        process ("FATAL: exception not rethrown")."""
         with self._cv:
-            if self._closed:
-                return
-            self._closed = True
-            waiting, self._waiting = self._waiting, []
-            self._cv.notify()
+            if not self._closed:
+                self._closed = True
+                waiting, self._waiting = self._waiting, []
+                self._cv.notify()
+            else:
+                waiting = []
         for p in waiting:
             _deliver(p.future, GenerateResult([], [], "abort"))
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
 
     # ------------------------------------------------------------------ weights
 

@@ -338,3 +338,22 @@ def test_server_builds_engine_from_training_config():
             config.model.hidden_size, config.model.num_layers)
         assert (engine.max_batch, engine.max_len) == (config.engine.max_batch,
                                                       config.engine.max_len)
+
+
+def test_close_waits_for_the_scheduler_thread(model):
+    """close() during a long generation returns only once the scheduler thread has left
+    its device call, and the running request ends as aborted."""
+    eng = EmbeddedEngine(model, max_batch=4, max_len=64, min_len=16, min_cache_len=64,
+                         chunk_steps=2)
+
+    async def close_mid_generation():
+        task = asyncio.ensure_future(eng.generate([GenerateRequest(prompt(6, 4), 56)]))
+        while not eng._rows:
+            await asyncio.sleep(0.001)
+        eng.close()
+        assert not eng._thread.is_alive()
+        return (await task)[0]
+
+    result = run(close_mid_generation())
+    assert result.finish_reason == "abort" and len(result.output_ids) < 56
+
