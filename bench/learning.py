@@ -1,6 +1,7 @@
 """Does RL learn on the default? Warm start vs final checkpoint over seeds, with CIs.
 
     python -m bench.learning [--seeds 0,1,2] [--steps N] [--eval-tasks 400] [--run]
+                             [--set KEY=VALUE ...]
 
 For every seed, the warm start (`seed{S}/sft`) and the final checkpoints of the Prefix
 Sampling arm and the baseline arm (bench.experiments layout under --root) are
@@ -169,13 +170,15 @@ def main(argv=None) -> dict:
     p.add_argument("--baseline", default="baseline")
     p.add_argument("--run", action="store_true", help="make missing runs and evals")
     p.add_argument("--out", default=RESULTS, help="folder of learning.json and learning.png")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override for every run made with --run (repeatable)")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     args.steps = args.steps or common.load_config("configs/default.py").total_steps
     if args.run:
         for seed in seeds:
             for arm in (args.arm, args.baseline):
-                experiments.run_arm(args.root, arm, seed, args.steps)
+                experiments.run_arm(args.root, arm, seed, args.steps, args.set)
     runs = {arm: final_rewards(args.root, seeds, arm, args.eval_tasks, args.run)
             for arm in ("sft", args.arm, args.baseline)}
     warm, final = paired(runs["sft"], runs[args.arm], f"sft vs {args.arm}")
