@@ -202,7 +202,8 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
                 groups = await algo.collect(step, bar.update)
             trajs = [t for g in groups for t in g]
             metrics = {"time/rollout_s": time.perf_counter() - t0,
-                       **setup.rollout_metrics(trajs, groups)}
+                       **setup.rollout_metrics(trajs, groups),
+                       **getattr(sandbox_factory, "metrics", dict)()}  # a fleet's engines
             # -- advantages, learner, the algorithm's bookkeeping under the new policy
             kept, advs, algo_metrics = algo.advantages(step, groups)
             metrics.update(algo_metrics, **{"train/trajectories": len(kept)})

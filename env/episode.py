@@ -81,6 +81,10 @@ class FleetFactory:
     def __call__(self, task: Task) -> Sandbox:
         return self.fleet.create(**sandbox_spec(task, "docker"))
 
+    def metrics(self) -> dict[str, float]:
+        """The fleet's per-engine scalars (`env/engine{i}/...`)."""
+        return self.fleet.metrics()
+
     def close(self) -> None:
         self.fleet.close()
 

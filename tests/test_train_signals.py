@@ -6,6 +6,7 @@ References: the Docker engine's own container list, filtered by the owner label 
 fleet puts on every container (hostname, pid and start time of the trainer).
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -75,7 +76,13 @@ def test_stopped_trainer_leaves_no_container(signum, docker_client, tmp_path):
     try:  # the rerun's fleet is up once it logs the engines' state
         wait_until(lambda: logged(rerun_log, "docker fleet:"), rerun, rerun_log)
         assert containers_of(docker_client, owner) == []
+        assert rerun.wait(timeout=600) == 0, open(rerun_log).read()[-3000:]
     finally:
-        os.killpg(rerun.pid, signal.SIGTERM)
-        rerun.wait(timeout=300)
-    assert containers_of(docker_client, rerun_owner) == []
+        if rerun.poll() is None:
+            os.killpg(rerun.pid, signal.SIGKILL)
+    assert containers_of(docker_client, rerun_owner) == []  # a run that ends closes its own
+    # Each RL step's metrics carry the fleet's per-engine counts.
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f if "time/rollout_s" in line]
+    assert rows and all(r["env/engine0/up"] == 1.0 and r["env/engine0/created"] > 0
+                        for r in rows), rows
