@@ -44,12 +44,16 @@ def logged(path: str, text: str) -> bool:
         return text in f.read()
 
 
+def tail(path: str) -> str:
+    with open(path) as f:
+        return f.read()[-3000:]
+
+
 def wait_until(condition, proc: subprocess.Popen, log_path: str, timeout: float = 400.0):
     deadline = time.monotonic() + timeout
     while not condition():
         if proc.poll() is not None or time.monotonic() > deadline:
-            with open(log_path) as f:
-                pytest.fail(f"train.py exited or timed out first:\n{f.read()[-3000:]}")
+            pytest.fail(f"train.py exited or timed out first:\n{tail(log_path)}")
         time.sleep(0.1)
 
 
@@ -76,7 +80,7 @@ def test_stopped_trainer_leaves_no_container(signum, docker_client, tmp_path):
     try:  # the rerun's fleet is up once it logs the engines' state
         wait_until(lambda: logged(rerun_log, "docker fleet:"), rerun, rerun_log)
         assert containers_of(docker_client, owner) == []
-        assert rerun.wait(timeout=600) == 0, open(rerun_log).read()[-3000:]
+        assert rerun.wait(timeout=600) == 0, tail(rerun_log)
     finally:
         if rerun.poll() is None:
             os.killpg(rerun.pid, signal.SIGKILL)
