@@ -208,7 +208,9 @@ class Agent:
             return episode, self.tokenizer.prompt_ids(self.cfg.system_prompt, first,
                                                       self.tools)
         p = job.prefix
-        records = [episode_lib.StepRecord(t.tool_call, t.observation, t.patch)
+        # With the action text: a call that did not parse is replayed as written.
+        records = [episode_lib.StepRecord(t.tool_call, t.observation, t.patch,
+                                          self.tokenizer.decode(t.action_ids))
                    for t in p.turns]
         episode, mismatches = episode_lib.restore(job.task, records, p.k, sandbox,
                                                   reexec=job.replay == "reexec", **kwargs)

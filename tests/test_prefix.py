@@ -1,6 +1,7 @@
 """Prefix Sampling bookkeeping against the seed 000 table, examples and a simulated population."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -307,12 +308,14 @@ def test_fixed_ratios_come_from_the_config_on_resume(caplog):
 # ---------------------------------------------------------------- replay through the algorithm
 
 
-def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it():
+def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     """Two GRPO + Prefix Sampling collect steps whose queue holds a prefix task of an
     expert demonstration with an unappliable recorded patch, run for real (a tiny random
     Qwen3 behind the embedded engine, local sandboxes, mini-SWE tasks): with
     ps.replay="patch" its rollouts are env errors and the step goes on; with "reexec"
-    the patch is never applied, the prefix's tool calls run again."""
+    the patch is never applied, the prefix's tool calls run again, and give the recorded
+    observations (the demonstration's calls, cut at 16 tokens, do not parse: they are
+    replayed as written)."""
     import asyncio
     import dataclasses
 
@@ -365,7 +368,9 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it():
             agent.close()
             engine.close()
 
-    out = asyncio.run(run())
+    with caplog.at_level(logging.WARNING, logger="rl.rollout"):
+        out = asyncio.run(run())
+    assert "re-executed observations differ" not in caplog.text
     (prefixed, fresh), (kept, advs, metrics) = out["patch"]
     assert all(t.is_env_error and t.reward is None for t in prefixed)
     assert all(not t.is_env_error for t in fresh)
