@@ -382,12 +382,9 @@ class EmbeddedEngine(Engine):
         daemon thread still inside a device call when the interpreter exits aborts the
         process ("FATAL: exception not rethrown")."""
         with self._cv:
-            if not self._closed:
-                self._closed = True
-                waiting, self._waiting = self._waiting, []
-                self._cv.notify()
-            else:
-                waiting = []
+            self._closed = True
+            waiting, self._waiting = self._waiting, []
+            self._cv.notify()
         for p in waiting:
             _deliver(p.future, GenerateResult([], [], "abort"))
         if threading.current_thread() is not self._thread:

@@ -341,8 +341,8 @@ def _attend_one(q, k, v, visible):
     softmax and sums in float32, as two batched matmuls over (row, kv head). On CPU,
     alone, a decode step is 1.2x faster than as products and sums over the cache's
     layout at 32 rows x 128 slots, 1.27-1.34x at 48 x 256-1024. (A loop over key blocks
-    up to the filled length was slower still at 32 x 128 and 1024: the engine narrows
-    the window per call instead.)
+    up to the filled length, tried under load, was slower at 32 x 128: the engine
+    narrows the window per call instead.)
     """
     b, _, h, d = q.shape
     kv_heads = k.shape[2]

@@ -356,4 +356,3 @@ def test_close_waits_for_the_scheduler_thread(model):
 
     result = run(close_mid_generation())
     assert result.finish_reason == "abort" and len(result.output_ids) < 56
-

@@ -308,8 +308,6 @@ async def served(engine):
 
 def test_flush_cache_empties_the_engines_prefix_cache(models):
     """/flush_cache on a server whose engine parks prefixes: the next turn prefills all."""
-
-
     engine = EmbeddedEngine(models["a"][0], prefix_cache_tokens=4096, **ENGINE)
 
     async def go():
@@ -337,7 +335,6 @@ def test_abort_returns_the_tokens_generated_so_far(models):
     """/abort_request and /pause_generation {"mode": "abort"} end a running request with
     finish_reason abort and its tokens so far: a prefix of the uninterrupted answer."""
     import time
-
 
     engine = EmbeddedEngine(models["a"][0], max_batch=4, min_batch=4, max_len=512,
                             min_len=16, chunk_steps=4)
