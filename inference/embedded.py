@@ -1,6 +1,7 @@
 """In-process JAX sampler over a device-resident Qwen3 KV cache, with continuous batching.
 
-The keys and values live in one pool on the device, [L, slots, max_len, K, D], made
+The keys and values live in a pool on the device (qwen3.KVCache's layout with a row
+per slot: per layer, keys [slots, K, D, max_len] and values [slots, K, max_len, D]), made
 once and passed through every jitted call with its buffers donated, so no call
 allocates or copies a cache on the host. A request owns one slot (one row of the
 pool) while it generates.
@@ -166,20 +167,26 @@ class PrefixCache:
 
 
 def _window(pool_k, pool_v, slots, window: int):
-    """Rows `slots` of the pool cut to positions [0, window): [L,R,window,K,D] each.
-    Out-of-range slots (padding rows) read the last slot; their writes are dropped."""
-    read = jnp.minimum(slots, pool_k.shape[1] - 1)
-    return pool_k[:, read, :window], pool_v[:, read, :window]
+    """Rows `slots` of the pool cut to positions [0, window): per layer, k [R,K,D,window]
+    and v [R,K,window,D] (KVCache's layout). Out-of-range slots (padding rows) read the
+    last slot; their writes are dropped."""
+    read = jnp.minimum(slots, pool_k[0].shape[0] - 1)
+    return (tuple(k[read, ..., :window] for k in pool_k),
+            tuple(v[read, :, :window] for v in pool_v))
 
 
 def _write_back(pool_k, pool_v, slots, positions, k, v):
     """Stores the keys/values of fed positions [R,T] (-1: none) of window caches k, v
-    [L,R,W,K,D] into pool rows `slots`: only what the call wrote is copied back."""
-    rows = jnp.arange(k.shape[1])[:, None]
+    into pool rows `slots`: only what the call wrote is copied back."""
+    rows = jnp.arange(positions.shape[0])[:, None]
     read = jnp.maximum(positions, 0)
-    write = jnp.where(positions >= 0, positions, pool_k.shape[2])  # -1: dropped
-    return (pool_k.at[:, slots[:, None], write].set(k[:, rows, read], mode="drop"),
-            pool_v.at[:, slots[:, None], write].set(v[:, rows, read], mode="drop"))
+    write = jnp.where(positions >= 0, positions, pool_v[0].shape[2])  # -1: dropped
+    slots = slots[:, None]
+    # Advanced indices split by slices: the [R,T] index dims lead, then K, D.
+    return (tuple(p.at[slots, :, :, write].set(w[rows, :, :, read], mode="drop")
+                  for p, w in zip(pool_k, k, strict=True)),
+            tuple(p.at[slots, :, write].set(w[rows, :, read], mode="drop")
+                  for p, w in zip(pool_v, v, strict=True)))
 
 
 def _sample_at(model, hidden, positions, seeds, temperature, top_p, top_k):
@@ -233,7 +240,7 @@ def _decode(graphdef, params, pool_k, pool_v, slots, token, pos, remaining, stop
     def body(state):
         i, (k, v), token, pos, n_out, stopped, out_ids, out_logp = state
         active = (n_out < remaining) & ~stopped
-        filled = jnp.arange(k.shape[2])[None, :] < pos[:, None]
+        filled = jnp.arange(window)[None, :] < pos[:, None]
         hidden, cache = model.decode(token[:, None], pos[:, None],
                                      qwen3.KVCache(k, v, filled, pos))
         k, v, hidden = cache.k, cache.v, hidden[:, 0]
@@ -323,7 +330,7 @@ class EmbeddedEngine(Engine):
         self.num_slots = self.max_batch + -(-int(prefix_cache_tokens) // self.max_len)
         self.version = 0  # weight updates applied; a row reports the one it started under
         self._seeds = np.random.default_rng(seed)
-        self._pool: tuple[jax.Array, jax.Array] | None = None
+        self._pool: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None = None
         self._free = list(range(self.num_slots))[::-1]
         self._rows: list[_Row] = []
         self._waiting: list[_Pending] = []
@@ -476,11 +483,12 @@ class EmbeddedEngine(Engine):
                                  started=time.perf_counter()))
         return admitted
 
-    def _pool_arrays(self) -> tuple[jax.Array, jax.Array]:
+    def _pool_arrays(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         if self._pool is None:
-            c = self.cfg
-            shape = (c.num_layers, self.num_slots, self.max_len, c.num_kv_heads, c.head_dim)
-            self._pool = (_zeros(shape, jnp.dtype(c.dtype)), _zeros(shape, jnp.dtype(c.dtype)))
+            dtype, layers = jnp.dtype(self.cfg.dtype), range(self.cfg.num_layers)
+            k_shape, v_shape = qwen3.cache_shapes(self.cfg, self.num_slots, self.max_len)
+            self._pool = (tuple(_zeros(k_shape, dtype) for _ in layers),
+                          tuple(_zeros(v_shape, dtype) for _ in layers))
         return self._pool
 
     def _sampling(self, rows: Sequence[_Row], n: int):
