@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inference.embedded import EmbeddedEngine
+from inference.embedded import _PREFILL_CALL_TOKENS, EmbeddedEngine, bucket, prefill_groups
 from inference.engine import GenerateRequest
 from inference.sampling import first_argmax, inverse_cdf, sample_tokens, truncation_mask
 from kernels.logprob.api import token_logprobs
@@ -255,6 +255,34 @@ def test_prefix_cache_lookup_and_lru_budget():
     assert pc.insert(list(range(11)), 3) == [3]  # longer than the budget: not kept
     assert pc.evict() == 2 and pc.evict() is None and pc.tokens == 0
     assert pc.insert([5], 4) == [] and pc.clear() == [4] and len(pc) == 0
+
+
+def _partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _partitions(rest):
+        yield [[first]] + part
+        for i in range(len(part)):
+            yield part[:i] + [[first] + part[i]] + part[i + 1:]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_prefill_groups_cost_least_of_every_partition(seed):
+    """Against every partition of 7 rows (877 of them): the chosen grouping pads least
+    (plus the per-call cost), and it covers each row once."""
+    lengths = np.random.default_rng(seed).integers(1, 700, 7).tolist()
+    opts = dict(max_batch=8, min_batch=2, max_len=1024, min_len=64)
+
+    def cost(groups):
+        return sum(bucket(len(g), opts["max_batch"], opts["min_batch"])
+                   * bucket(max(lengths[i] for i in g), opts["max_len"], opts["min_len"])
+                   + _PREFILL_CALL_TOKENS for g in groups)
+
+    groups = prefill_groups(lengths, **opts)
+    assert sorted(i for g in groups for i in g) == list(range(7))
+    assert cost(groups) == min(cost(p) for p in _partitions(list(range(7))))
 
 
 def test_bad_requests_are_named(engine):
