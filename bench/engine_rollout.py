@@ -10,7 +10,8 @@ its SFT warm start, whose turns are the policy's short tool calls) with the defa
 engine options, to the same `Agent`, local sandboxes and
 jobs: one RL step's rollout phase, `batch_tasks` train tasks x `group_size` rollouts,
 as `train.py` collects it. The old engine's code is read from git (`git show
-<old>:inference/embedded.py` and its `sampling.py`) and imported beside this tree's.
+<old>:inference/embedded.py`, its `sampling.py` and its `models/qwen3.py`, whose
+decode path and cache layout the engine uses) and imported beside this tree's.
 Each round runs the phase once per engine, the order alternating so machine load
 affects both alike; round 0 includes compilation and is reported apart. tokens/s is
 generated tokens over the phase's wall time, as the per-step console line counts it.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import importlib
 import json
 import os
@@ -46,27 +48,58 @@ def _log(*args):
     print(*args, file=sys.stderr, flush=True)
 
 
-def _old_source(old: str, name: str) -> str:
+# The old engine's modules, and how its imports of them are rewritten to the copies.
+_OLD_MODULES = {"inference/embedded.py": ("", ""),
+                "inference/sampling.py": ("from inference.sampling import",
+                                          "from .sampling import"),
+                "models/qwen3.py": ("from models import qwen3", "from . import qwen3")}
+
+
+def _old_source(old: str, path: str) -> str:
     if os.path.isdir(old):
-        with open(os.path.join(old, f"{name}.py")) as f:
+        with open(os.path.join(old, os.path.basename(path))) as f:
             return f.read()
-    return subprocess.run(["git", "show", f"{old}:inference/{name}.py"], check=True,
+    return subprocess.run(["git", "show", f"{old}:{path}"], check=True,
                           capture_output=True, text=True).stdout
 
 
 def old_engine_class(old: str, root: str):
-    """EmbeddedEngine of `old` (a commit, or a folder with copies of its embedded.py and
-    sampling.py), imported as package `engine_old` under `root`."""
+    """EmbeddedEngine of `old` (a commit, or a folder with copies of its embedded.py,
+    sampling.py and qwen3.py: the model's cache layout belongs to the engine), imported
+    as package `engine_old` under `root`."""
     package = os.path.join(root, "engine_old")
     os.makedirs(package, exist_ok=True)
     open(os.path.join(package, "__init__.py"), "w").close()
-    for name in ("embedded", "sampling"):
-        src = _old_source(old, name).replace("from inference.sampling import",
-                                             "from .sampling import")
-        with open(os.path.join(package, f"{name}.py"), "w") as f:
+    sources = {path: _old_source(old, path) for path in _OLD_MODULES}
+    for path in _OLD_MODULES:
+        src = sources[path]
+        for old_import, new_import in _OLD_MODULES.values():
+            src = src.replace(old_import, new_import) if old_import else src
+        with open(os.path.join(package, os.path.basename(path)), "w") as f:
             f.write(src)
     sys.path.insert(0, root)
-    return importlib.import_module("engine_old.embedded").EmbeddedEngine
+    return (importlib.import_module("engine_old.embedded").EmbeddedEngine,
+            importlib.import_module("engine_old.qwen3"))
+
+
+def old_model_weights(model, old_qwen3):
+    """(graphdef, params) of `old_qwen3`'s Qwen3 holding `model`'s parameters: the
+    config's fields it knows, and stacked [num_layers, ...] layer leaves given to its
+    per-layer modules when its layers are a list."""
+    cfg = model.cfg
+    fields = {f.name for f in dataclasses.fields(old_qwen3.Qwen3Config)}
+    old = old_qwen3.Qwen3(old_qwen3.Qwen3Config(**{
+        k: v for k, v in dataclasses.asdict(cfg).items() if k in fields}), rngs=nnx.Rngs(0))
+    new_params = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    graphdef, params = nnx.split(old, nnx.Param)
+    flat = []
+    for path, var in nnx.to_flat_state(params):
+        if path in new_params:
+            value = new_params[path][...]
+        else:  # ("layers", i, ...) of a list <- ("layers", ...)[i] of stacked leaves
+            value = new_params[(path[0], *path[2:])][...][path[1]]
+        flat.append((path, var.replace(value)))
+    return graphdef, nnx.from_flat_state(flat)
 
 
 async def rollout_phase(agent: Agent, jobs, group_size: int) -> dict:
@@ -108,9 +141,9 @@ async def run(args) -> dict:
     weights = nnx.split(model, nnx.Param)
     options = {**options_from_config(config.engine),
                **{k: int(v) for k, v in (o.split("=") for o in args.option)}}
-    old_cls = old_engine_class(args.old, workdir)
+    old_cls, old_qwen3 = old_engine_class(args.old, workdir)
     old_options = {k: v for k, v in options.items() if k in old_cls.__init__.__code__.co_varnames}
-    engines = {"old": old_cls(weights, seed=args.seed, **old_options),
+    engines = {"old": old_cls(old_model_weights(model, old_qwen3), seed=args.seed, **old_options),
                "new": EmbeddedEngine(weights, seed=args.seed, **options)}
     factory = setup.sandbox_factory(config.env)
     agents = {name: Agent(engine, tokenizer, factory, RolloutConfig(**config.rollout),
@@ -146,7 +179,8 @@ async def run(args) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--old", default="630a893",
-                   help="the old engine: a commit, or a folder with its embedded.py, sampling.py")
+                   help="the old engine: a commit, or a folder with its embedded.py, "
+                        "sampling.py and qwen3.py")
     p.add_argument("--rounds", type=int, default=3, help="phases per engine (round 0 compiles)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt", default="",
