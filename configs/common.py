@@ -216,6 +216,8 @@ def learner_defaults() -> ConfigDict:
     c = ConfigDict()
     c.num_minibatches = 1     # optimizer updates per train_step (rows split evenly)
     c.num_microbatches = 1    # gradient-accumulation chunks per mini-batch
+    c.rows_multiple = 1       # a packed batch's rows are padded to a multiple of this: each
+                              # new row count compiles the train step anew
     c.temperature = 1.0       # log-probs of log_softmax(logits / T): the sampler's T
     c.logprob_impl = None     # kernels.logprob implementation; None picks per backend
     c.seed = 0
@@ -297,6 +299,7 @@ RANGES: dict[str, str] = {
     "spo.prior": "(0, inf)", "spo.adv_std_ddof": "[0, 1]", "spo.sampler_eps": "[0, inf)",
     "spo.pool_size": "[0, inf)", "spo.in_flight": "[1, inf)", "spo.init_samples": "[0, inf)",
     "learner.num_minibatches": "[1, inf)", "learner.num_microbatches": "[1, inf)",
+    "learner.rows_multiple": "[1, inf)",
     "learner.temperature": "(0, inf)", "learner.seed": "[0, inf)",
     "learner.row_buckets": "[1, inf)",
     "learner.optim.lr": "(0, inf)", "learner.optim.warmup_steps": "[0, inf)",

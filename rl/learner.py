@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any
 
 import flax.struct
@@ -130,9 +131,11 @@ def init_train_state(model: nnx.Module, cfg, mesh: Mesh | None = None):
 
 
 def row_multiple(cfg, mesh: Mesh | None = None) -> int:
-    """Rows of a packed batch must be a multiple of this (mini x micro x data shards)."""
+    """Rows of a packed batch are a multiple of this: of mini x micro x data shards
+    (required) and of cfg.rows_multiple (fewer batch shapes to compile)."""
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-    return cfg.num_minibatches * cfg.num_microbatches * shards
+    return math.lcm(cfg.num_minibatches * cfg.num_microbatches * shards,
+                    cfg.get("rows_multiple", 1))
 
 
 def check_rows(batch: Batch, cfg, mesh: Mesh | None = None) -> None:
@@ -142,7 +145,8 @@ def check_rows(batch: Batch, cfg, mesh: Mesh | None = None) -> None:
         raise ValueError(
             f"batch has {batch.tokens.shape[0]} rows, not a multiple of {multiple} "
             f"(mini-batches {cfg.num_minibatches} x micro-batches {cfg.num_microbatches} x "
-            "data-parallel shards); pack with row_multiple=rl.learner.row_multiple(cfg, mesh)")
+            "data-parallel shards, and rows_multiple); pack with "
+            "row_multiple=rl.learner.row_multiple(cfg, mesh)")
 
 
 def shard_batch(batch: Batch, mesh: Mesh | None = None) -> Batch:

@@ -177,7 +177,8 @@ def test_rollout_temperature_override_trains_at_it():
     graphdef, state = learner.init_train_state(model, config.learner)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 12).astype(np.int32)
     mask = (np.arange(12) >= 4).astype(np.int32)
-    batch, _ = pack_arrays([(ids, mask, np.zeros(12, np.float32))], [0.0], buckets=[16])
+    batch, _ = pack_arrays([(ids, mask, np.zeros(12, np.float32))], [0.0], buckets=[16],
+                           row_multiple=learner.row_multiple(config.learner))
     got = np.asarray(learner.make_compute_logprobs(graphdef, config.learner)(state.params,
                                                                                batch))[0, :12]
     hidden = model(batch.tokens, batch.positions, batch.segment_ids)

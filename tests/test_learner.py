@@ -179,6 +179,23 @@ def test_bad_batches_are_named():
         train_step(state, batch)
 
 
+def test_row_multiple_takes_rows_multiple_and_sft_drops_it():
+    """Rows are a multiple of mini x micro batches and of rows_multiple (their lcm), and
+    the SFT copy of the section pads no rows."""
+    from rl.sft import sft_config
+    cfg = make_cfg()
+    cfg.num_minibatches, cfg.rows_multiple = 3, 8
+    assert learner.row_multiple(cfg) == 24
+    cfg.num_minibatches = 4
+    assert learner.row_multiple(cfg) == 8
+    assert learner.row_multiple(sft_config(cfg)) == 4
+    batch, _ = make_batch(rows_multiple=1)
+    assert batch.tokens.shape[0] % 8
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        learner.check_rows(batch, cfg)
+    learner.check_rows(make_batch(rows_multiple=8)[0], cfg)
+
+
 def test_schedule_warmup_then_cosine():
     cfg = make_cfg()
     cfg.optim.update(lr=1.0, warmup_steps=4, schedule="cosine", decay_steps=10, end_lr_frac=0.1)
