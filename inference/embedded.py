@@ -77,9 +77,8 @@ def prefill_groups(lengths: Sequence[int], *, max_batch: int, min_batch: int, ma
     cost, cut = [0] * (n + 1), [n] * (n + 1)
     for j in range(n - 1, -1, -1):  # cost[j]: the rows order[j:], grouped best
         width = bucket(lengths[order[j]], max_len, min_len)
-        cost[j] = min((bucket(k - j, max_batch, min_batch) * width + _PREFILL_CALL_TOKENS
-                       + cost[k], k) for k in range(j + 1, n + 1))
-        cost[j], cut[j] = cost[j]
+        cost[j], cut[j] = min((bucket(k - j, max_batch, min_batch) * width
+                               + _PREFILL_CALL_TOKENS + cost[k], k) for k in range(j + 1, n + 1))
     groups, j = [], 0
     while j < n:
         groups.append(order[j:cut[j]])

@@ -346,12 +346,12 @@ class DecoderLayer(nnx.Module):
 
 # Key block of prefill from a cache: a cache is filled to any length, and the blocks past
 # it are skipped whole (on CPU, [8,128] tokens against 1024 slots filled to ~530: 2.2x
-# faster than the kernel's default 512-slot blocks, the same at 256 slots).
+# faster than 512-slot blocks, the same at 256 slots).
 _CACHE_BLOCK_K = 128
 # Query block of prefill from a cache: rows end in padding (positions -1) up to their
 # call's width, and whole query blocks of padding are skipped (at [16,512] tokens with 256
 # real per row against 1024 slots, a layer's prefill attention takes 34 ms against 91 ms
-# with the kernel's default 512-token blocks).
+# with 512-token blocks).
 _CACHE_BLOCK_Q = 64
 
 
