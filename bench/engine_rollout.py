@@ -48,11 +48,10 @@ def _log(*args):
     print(*args, file=sys.stderr, flush=True)
 
 
-# The old engine's modules, and how its imports of them are rewritten to the copies.
-_OLD_MODULES = {"inference/embedded.py": ("", ""),
-                "inference/sampling.py": ("from inference.sampling import",
-                                          "from .sampling import"),
-                "models/qwen3.py": ("from models import qwen3", "from . import qwen3")}
+# The old engine's modules, and its imports of them rewritten to the copies.
+_OLD_MODULES = ("inference/embedded.py", "inference/sampling.py", "models/qwen3.py")
+_OLD_IMPORTS = (("from inference.sampling import", "from .sampling import"),
+                ("from models import qwen3", "from . import qwen3"))
 
 
 def _old_source(old: str, path: str) -> str:
@@ -70,11 +69,10 @@ def old_engine_class(old: str, root: str):
     package = os.path.join(root, "engine_old")
     os.makedirs(package, exist_ok=True)
     open(os.path.join(package, "__init__.py"), "w").close()
-    sources = {path: _old_source(old, path) for path in _OLD_MODULES}
     for path in _OLD_MODULES:
-        src = sources[path]
-        for old_import, new_import in _OLD_MODULES.values():
-            src = src.replace(old_import, new_import) if old_import else src
+        src = _old_source(old, path)
+        for old_import, new_import in _OLD_IMPORTS:
+            src = src.replace(old_import, new_import)
         with open(os.path.join(package, os.path.basename(path)), "w") as f:
             f.write(src)
     sys.path.insert(0, root)

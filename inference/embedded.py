@@ -295,11 +295,6 @@ def _decode(graphdef, params, pool_k, pool_v, slots, token, pos, remaining, stop
     return pool_k, pool_v, out_ids, out_logp, n_out, stopped
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _zeros(shape, dtype):
-    return jnp.zeros(shape, dtype)
-
-
 def _split(model) -> tuple[Any, Any]:
     if isinstance(model, tuple):
         return model
@@ -513,10 +508,9 @@ class EmbeddedEngine(Engine):
 
     def _pool_arrays(self) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         if self._pool is None:
-            dtype, layers = jnp.dtype(self.cfg.dtype), range(self.cfg.num_layers)
-            k_shape, v_shape = qwen3.cache_shapes(self.cfg, self.num_slots, self.max_len)
-            self._pool = (tuple(_zeros(k_shape, dtype) for _ in layers),
-                          tuple(_zeros(v_shape, dtype) for _ in layers))
+            model = nnx.merge(self.graphdef, self.params)
+            cache = model.init_cache(self.num_slots, self.max_len)
+            self._pool = (cache.k, cache.v)
         return self._pool
 
     def _sampling(self, rows: Sequence[_Row], n: int):

@@ -227,12 +227,6 @@ class KVCache:
     lengths: jax.Array
 
 
-def cache_shapes(cfg: Qwen3Config, batch: int, max_len: int) -> tuple[tuple[int, ...], ...]:
-    """Shapes of each layer's KVCache.k and .v buffers for `batch` rows of `max_len` slots."""
-    lead = (batch, cfg.num_kv_heads)
-    return (*lead, cfg.head_dim, max_len), (*lead, max_len, cfg.head_dim)
-
-
 # ----------------------------------------------------------------------------- layers
 
 
@@ -458,8 +452,10 @@ class Qwen3(nnx.Module):
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
         """An empty cache for `batch` rows of up to `max_len` positions."""
-        k_shape, v_shape = cache_shapes(self.cfg, batch, max_len)
-        dtype, layers = jnp.dtype(self.cfg.dtype), range(self.cfg.num_layers)
+        cfg, dtype = self.cfg, jnp.dtype(self.cfg.dtype)
+        k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_len)
+        v_shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
+        layers = range(cfg.num_layers)
         return KVCache(k=tuple(jnp.zeros(k_shape, dtype) for _ in layers),
                        v=tuple(jnp.zeros(v_shape, dtype) for _ in layers),
                        valid=jnp.zeros((batch, max_len), bool),

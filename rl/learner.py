@@ -135,7 +135,7 @@ def row_multiple(cfg, mesh: Mesh | None = None) -> int:
     (required) and of cfg.rows_multiple (fewer batch shapes to compile)."""
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
     return math.lcm(cfg.num_minibatches * cfg.num_microbatches * shards,
-                    cfg.get("rows_multiple", 1))
+                    cfg.rows_multiple)
 
 
 def check_rows(batch: Batch, cfg, mesh: Mesh | None = None) -> None:
