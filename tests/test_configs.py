@@ -36,7 +36,7 @@ PRESET = {"grpo_swe.py": "qwen3-14b", "ps_qwen3_14b_swe.py": "qwen3-14b",
 # Each recipe's key values, from its docstring and the seed it cites.
 RECIPE = {
     "default.py": {"algo": "grpo", "ps.enabled": True, "ps.remaining_ratio": 0.75,
-                   "rollout.temperature": 0.7, "learner.temperature": 0.7,
+                   "rollout.temperature": 0.5, "learner.temperature": 0.5,
                    "learner.optim.lr": 5e-5, "learner.loss.eps_high": 0.28},
     "grpo_swe.py": {"algo": "grpo", "advantage": "rloo", "batch_tasks": 64, "group_size": 8,
                     "rollout.max_steps": 50, "learner.loss.eps_high": 0.28,
