@@ -1,11 +1,17 @@
 """Per-row token sampling: temperature, top-k, top-p, greedy; SGLang-convention log-probs.
 
 Decoding a small model is bound by what runs over the vocabulary per row, so each
-path does only what its rows need: greedy rows take a first-index argmax; sampled
-rows draw one uniform each and invert the CDF blockwise (block sums, then one
-block's cumulative sum) instead of drawing noise for every token; truncated rows
-(top-k / top-p) sample among the `candidates` largest logits whenever those hold
-the whole kept set, and fall back to a full sort only when they do not.
+path does only what its rows need: a batch of greedy rows takes a first-index argmax
+and one log-sum-exp, and draws no random numbers; sampled rows draw one uniform each
+and invert the CDF blockwise (block sums, then one block's cumulative sum) instead of
+drawing noise for every token; truncated rows (top-k / top-p) sample among the
+`candidates` largest logits whenever those hold the whole kept set, and fall back to
+a full sort only when they do not.
+
+A row's uniform is jax.random.uniform(fold_in(PRNGKey(seed), position)), bit for bit,
+computed by `uniform_at` with the Threefry-2x32 rounds unrolled: jax lowers Threefry
+on CPU as a loop of five rounds, which in a decode step costs more than the rest of
+the sampling.
 """
 
 from __future__ import annotations
@@ -14,6 +20,32 @@ import jax
 import jax.numpy as jnp
 
 _BLOCK = 128  # tokens per block of the blockwise inverse CDF
+_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def threefry2x32(key: tuple[jax.Array, jax.Array],
+                 x: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """The Threefry-2x32 block cipher (20 rounds, Salmon et al. 2011) of the uint32 pair
+    x under the uint32 key pair, elementwise: what jax.random's threefry2x32 computes."""
+    ks = (key[0], key[1], key[0] ^ key[1] ^ jnp.uint32(0x1BD11BDA))
+    x0, x1 = x[0] + ks[0], x[1] + ks[1]
+    for i in range(5):
+        for r in _ROTATIONS[i % 2]:
+            x0 = x0 + x1
+            x1 = ((x1 << jnp.uint32(r)) | (x1 >> jnp.uint32(32 - r))) ^ x0
+        x0 = x0 + ks[(i + 1) % 3]
+        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
+    return x0, x1
+
+
+def uniform_at(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """u[B] in [0, 1): jax.random.uniform(jax.random.fold_in(jax.random.PRNGKey(seed),
+    position)) per row, for uint32 seeds and int32 positions [B]."""
+    zero = jnp.zeros_like(seeds, jnp.uint32)
+    key = threefry2x32((zero, seeds.astype(jnp.uint32)), (zero, positions.astype(jnp.uint32)))
+    bits0, bits1 = threefry2x32(key, (zero, zero))
+    mantissa = ((bits0 ^ bits1) >> jnp.uint32(9)) | jnp.uint32(0x3F800000)
+    return jax.lax.bitcast_convert_type(mantissa, jnp.float32) - 1.0
 
 
 def truncation_mask(scaled: jax.Array, top_p: jax.Array, top_k: jax.Array) -> jax.Array:
@@ -97,33 +129,38 @@ def _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates: int):
 
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                  top_k: jax.Array, keys: jax.Array,
+                  top_k: jax.Array, seeds: jax.Array, positions: jax.Array,
                   candidates: int = 64) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row.
 
-    logits[B,V] f32; temperature[B] (0 = greedy); top_p[B]; top_k[B]; keys[B] PRNG keys.
-    A sampled row draws u ~ U[0, 1) from its key and takes the token where the CDF of
-    the (truncated) softmax(logits / t) crosses u. The log-prob is
-    log_softmax(logits / t)[token] over the full vocabulary (t = 1 when greedy),
-    which is what SGLang reports and what the learner recomputes.
+    logits[B,V] f32; temperature[B] (0 = greedy); top_p[B]; top_k[B]; seeds[B] uint32 and
+    positions[B] int32 name each row's uniform (`uniform_at`). A sampled row takes the
+    token where the CDF of the (truncated) softmax(logits / t) crosses its uniform. The
+    log-prob is log_softmax(logits / t)[token] over the full vocabulary (t = 1 when
+    greedy), which is what SGLang reports and what the learner recomputes.
     Returns (tokens[B] int32, logp[B] f32).
     """
     greedy = temperature <= 0.0
-    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    lse = jax.nn.logsumexp(scaled, axis=-1)
-    best = first_argmax(logits)
 
-    def draw():
-        u = jax.vmap(jax.random.uniform)(keys)
+    def all_greedy():
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
+        best = jnp.min(jnp.where(logits == top, index, logits.shape[-1]), axis=-1)
+        # log_softmax at the argmax: max - logsumexp = -log(sum(exp(logits - max))).
+        return best.astype(jnp.int32), -jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+
+    def mixed():
+        scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+        lse = jax.nn.logsumexp(scaled, axis=-1)
+        u = uniform_at(seeds, positions)
         truncated = ~greedy & ((top_p < 1.0) | (top_k > 0))
         plain = inverse_cdf(jnp.exp(scaled - lse[:, None]), u)
         cut = jax.lax.cond(
             jnp.any(truncated),
             lambda: _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates),
             lambda: plain)
-        return jnp.where(truncated, cut, plain)
+        tokens = jnp.where(greedy, first_argmax(logits), jnp.where(truncated, cut, plain))
+        logp = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse
+        return tokens, logp
 
-    tokens = jax.lax.cond(jnp.all(greedy), lambda: best, draw)
-    tokens = jnp.where(greedy, best, tokens)
-    logp = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse
-    return tokens, logp
+    return jax.lax.cond(jnp.all(greedy), all_greedy, mixed)

@@ -11,7 +11,7 @@ from flax import nnx
 
 from inference.embedded import _PREFILL_CALL_TOKENS, EmbeddedEngine, bucket, prefill_groups
 from inference.engine import GenerateRequest
-from inference.sampling import first_argmax, inverse_cdf, sample_tokens, truncation_mask
+from inference.sampling import first_argmax, inverse_cdf, sample_tokens, truncation_mask, uniform_at
 from kernels.logprob.api import token_logprobs
 from models.qwen3 import Qwen3, Qwen3Config
 
@@ -240,6 +240,47 @@ def test_prefix_cache_reuses_turns_and_changes_no_output(model, temperature):
         assert again[0][0].cached_tokens == 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_shared_prompts_copy_keys_and_values_and_change_no_output(model, temperature):
+    """Eight requests from one 45-id prompt (a task's group) and two that extend it:
+    one prefills the shared 32-id block, the others copy it; every output and log-prob
+    is what each request gets alone in a fresh engine."""
+    base = prompt(7, 45)
+    prompts = [base] * 8 + [base + prompt(8, 4), prompt(9, 20)]
+    reqs = [GenerateRequest(p, 6, temperature=temperature, seed=i) for i, p in enumerate(prompts)]
+    opts = dict(max_batch=16, min_batch=8, max_len=64, min_len=32, min_cache_len=64, seed=0)
+    with EmbeddedEngine(model, **opts) as eng:
+        got = run(eng.generate(reqs))
+    for req, res in zip(reqs, got, strict=True):
+        with EmbeddedEngine(model, **opts) as alone:
+            (want,) = run(alone.generate([req]))
+        assert res.output_ids == want.output_ids
+        np.testing.assert_allclose(res.logprobs, want.logprobs, atol=1e-5)
+    assert [r.cached_tokens for r in got] == [0] + [32] * 8 + [0]
+
+
+def test_bucket_rounds_to_powers_of_two_then_to_multiples_of_step():
+    assert [bucket(n, 64) for n in (0, 1, 3, 8, 9, 33, 100)] == [1, 1, 4, 8, 16, 64, 64]
+    assert [bucket(n, 1024, 64) for n in (1, 65, 600)] == [64, 128, 1024]
+    assert [bucket(n, 64, 1, 8) for n in (3, 8, 9, 17, 24, 25, 70)] == [4, 8, 16, 24, 24, 32, 64]
+    assert [bucket(n, 1024, 256, 256) for n in (1, 257, 600, 769, 2000)] == [
+        256, 512, 768, 1024, 1024]
+
+
+def test_shared_prefixes_find_the_longest_whole_block_match():
+    from inference.embedded import SharedPrefixes, block_hashes
+
+    index, a = SharedPrefixes(4), list(range(10))
+    index.add(block_hashes([], a, len(a), 4), a, slot=3)  # blocks [0,4) and [4,8)
+    assert index.longest(block_hashes([], a, 9, 4), a) == (3, 8)
+    assert index.longest(block_hashes([], a[:7], 7, 4), a[:7]) == (3, 4)
+    b = a[:5] + [99] * 5
+    assert index.longest(block_hashes([], b, 10, 4), b) == (3, 4)
+    assert index.longest(block_hashes([], [9] + a, 11, 4), [9] + a) is None
+    grown = block_hashes([], a, 5, 4)  # extended in place as ids grow
+    assert block_hashes(grown, a, 9, 4) == block_hashes([], a, 9, 4)
+
+
 def test_prefix_cache_lookup_and_lru_budget():
     from inference.embedded import PrefixCache
 
@@ -273,12 +314,15 @@ def test_prefill_groups_cost_least_of_every_partition(seed):
     """Against every partition of 7 rows (877 of them): the chosen grouping pads least
     (plus the per-call cost), and it covers each row once."""
     lengths = np.random.default_rng(seed).integers(1, 700, 7).tolist()
+    lengths[seed] = 40  # at least one row of the narrowest width
     opts = dict(max_batch=8, min_batch=2, max_len=1024, min_len=64)
 
     def cost(groups):
-        return sum(bucket(len(g), opts["max_batch"], opts["min_batch"])
-                   * bucket(max(lengths[i] for i in g), opts["max_len"], opts["min_len"])
-                   + _PREFILL_CALL_TOKENS for g in groups)
+        def area(g):  # the least rows: 2 up to 64 tokens wide, 1 past (128 tokens)
+            width = bucket(max(lengths[i] for i in g), opts["max_len"], opts["min_len"])
+            return bucket(len(g), opts["max_batch"], 2 if width <= 64 else 1) * width
+
+        return sum(area(g) + _PREFILL_CALL_TOKENS for g in groups)
 
     groups = prefill_groups(lengths, **opts)
     assert sorted(i for g in groups for i in g) == list(range(7))
@@ -335,15 +379,42 @@ def test_argmax_and_inverse_cdf_match_numpy():
     np.testing.assert_array_equal(np.asarray(inverse_cdf(jnp.asarray(w), jnp.asarray(u))), want)
 
 
+def test_uniform_at_is_jax_random_bit_for_bit():
+    """The unrolled Threefry gives exactly jax.random.uniform(fold_in(PRNGKey(seed), pos))."""
+    rng = np.random.default_rng(3)
+    seeds = rng.integers(0, 2**32, 500, dtype=np.uint64).astype(np.uint32)
+    positions = rng.integers(0, 2**31 - 1, 500).astype(np.int32)
+    want = jax.vmap(lambda s, p: jax.random.uniform(
+        jax.random.fold_in(jax.random.PRNGKey(s), p)))(seeds, positions)
+    got = jax.jit(uniform_at)(jnp.asarray(seeds), jnp.asarray(positions))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                  np.asarray(want).view(np.uint32))
+
+
+def test_greedy_rows_take_the_first_argmax_and_its_log_softmax():
+    rng = np.random.default_rng(4)
+    logits = rng.integers(0, 5, (16, 300)).astype(np.float32)  # ties: the first index wins
+    temperature = np.where(np.arange(16) < 8, 0.0, 0.7).astype(np.float32)
+    for t in (np.zeros(16, np.float32), temperature):  # all greedy, and mixed with sampled
+        tokens, logp = jax.jit(sample_tokens)(
+            jnp.asarray(logits), jnp.asarray(t), jnp.ones(16), -jnp.ones(16, jnp.int32),
+            jnp.arange(16, dtype=jnp.uint32), jnp.zeros(16, jnp.int32))
+        greedy = t <= 0
+        np.testing.assert_array_equal(np.asarray(tokens)[greedy], np.argmax(logits, -1)[greedy])
+        lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+        np.testing.assert_allclose(np.asarray(logp)[greedy],
+                                   (logits.max(-1) - lse)[greedy], atol=1e-5)
+
+
 @pytest.mark.parametrize("candidates", [64, 2])  # 2: top-k 3 / top-p 0.8 need the full sort
 def test_sample_frequencies_follow_truncated_softmax(candidates):
     n, logits = 20000, np.array([2.0, 1.5, 1.0, 0.0, -1.0, -3.0], np.float32)
-    keys = jax.random.split(jax.random.PRNGKey(0), n)
+    seeds, positions = jnp.full(n, 7, jnp.uint32), jnp.arange(n, dtype=jnp.int32)
     sample = jax.jit(functools.partial(sample_tokens, candidates=candidates))
     for temperature, top_p, top_k in [(1.0, 1.0, -1), (0.5, 1.0, 3), (1.3, 0.8, -1)]:
         tokens, logp = sample(
             jnp.tile(logits, (n, 1)), jnp.full(n, temperature), jnp.full(n, top_p),
-            jnp.full(n, top_k, jnp.int32), keys)
+            jnp.full(n, top_k, jnp.int32), seeds, positions)
         scaled = logits / temperature
         keep = _naive_keep(scaled, top_p, top_k)
         p = np.where(keep, np.exp(scaled - scaled.max()), 0)
