@@ -40,11 +40,6 @@ from rl.reference import Reference
 from rl.rollout import Agent, RolloutConfig, RolloutJob
 
 log = logging.getLogger("train")
-# Keyed by the program and the compiler's options, so a cached program is the one a
-# fresh compile would give.
-COMPILATION_CACHE = "~/.cache/prefix-spo-rl/xla"
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/default.py", help="path.py[:arg]")
@@ -61,14 +56,12 @@ def main(argv=None) -> None:
                    help="override a config key, e.g. --set learner.optim.lr=1e-4 (repeatable; "
                         "values are Python literals, else strings)")
     p.add_argument("--compilation_cache", metavar="DIR",
-                   default=os.environ.get("JAX_COMPILATION_CACHE_DIR", COMPILATION_CACHE),
+                   default=os.environ.get("JAX_COMPILATION_CACHE_DIR", setup.COMPILATION_CACHE),
                    help="XLA programs compiled once are kept here for later runs (on a "
                         "rerun the default's first rollout phase takes 14 s instead of 39 s); "
                         "'' turns it off")
     args = p.parse_args(argv)
-    if args.compilation_cache:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    setup.compilation_cache(args.compilation_cache)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
                         force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save chatter

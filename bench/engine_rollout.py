@@ -161,7 +161,7 @@ async def run(args) -> dict:
         rounds.append(row)
     for engine in engines.values():
         await engine.aclose()
-    steady = rounds[1:] or rounds
+    steady = rounds[args.warmup:] or rounds
     tps = {name: float(np.mean([row[name]["tokens_per_s"] for row in steady]))
            for name in engines}
     old, new = tps["old"], tps["new"]
@@ -179,7 +179,12 @@ def main(argv=None) -> dict:
     p.add_argument("--old", default="630a893",
                    help="the old engine: a commit, or a folder with its embedded.py, "
                         "sampling.py and qwen3.py")
-    p.add_argument("--rounds", type=int, default=3, help="phases per engine (round 0 compiles)")
+    p.add_argument("--rounds", type=int, default=3, help="phases per engine")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="first rounds left out of the steady figures (they compile)")
+    p.add_argument("--compilation_cache", default=setup.COMPILATION_CACHE,
+                   help="persistent XLA cache, as train.py keeps it ('' off): a rerun "
+                        "compiles nothing either engine compiled before")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt", default="",
                    help="a run directory of the default (its latest checkpoint and tokenizer)")
@@ -187,7 +192,9 @@ def main(argv=None) -> dict:
                    help="KEY=VALUE engine option over the config's (both engines, where known)")
     p.add_argument("--tasks", type=int, default=0, help="tasks per phase (0: the default's)")
     p.add_argument("--group-size", type=int, default=0, help="rollouts per task (0: the default's)")
-    result = asyncio.run(run(p.parse_args(argv)))
+    args = p.parse_args(argv)
+    setup.compilation_cache(args.compilation_cache)
+    result = asyncio.run(run(args))
     print(json.dumps(result))
     return result
 

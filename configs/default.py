@@ -46,9 +46,11 @@ def get_config(arg=None):
 
     # The prefix cache keeps each conversation's keys/values between turns (~1 KB per
     # position for this model), so a turn prefills only the new observation. Batch and
-    # length buckets start at 8 rows / 64 tokens / a 1024 cache: few shapes to compile.
+    # length buckets start at 8 rows / 64 tokens / a 256-slot cache window (windows grow
+    # in steps of 256: a decode step reads its whole window, and most contexts here are
+    # 130-650 tokens); compiled shapes are kept across runs (--compilation_cache).
     c.engine = dict(kind="embedded", max_batch=64, max_len=1024, prefix_cache_tokens=262_144,
-                    min_batch=8, min_len=64, min_cache_len=1024,
+                    min_batch=8, min_len=64, min_cache_len=256,
                     sglang=common.sglang_defaults())
 
     c.env = dict(backend="local", tasks="miniswe", train_tasks=512, eval_tasks=48,

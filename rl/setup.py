@@ -37,6 +37,17 @@ log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ checks
 
+# Keyed by the program and the compiler's options, so a cached program is the one a
+# fresh compile would give.
+COMPILATION_CACHE = "~/.cache/prefix-spo-rl/xla"
+
+
+def compilation_cache(path: str) -> None:
+    """Keeps compiled XLA programs in `path` for later runs ('' keeps none)."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
 
 def check_config(config) -> None:
     """Every numeric key's range (configs.common.check_values), then combinations that no
