@@ -1,7 +1,7 @@
 """The default's rollout phase on the embedded engine of an earlier commit and of this tree.
 
-    python -m bench.engine_rollout [--old 630a893 | --old DIR] [--rounds 3] [--seed 0]
-        [--ckpt WORKDIR]
+    python -m bench.engine_rollout [--old 630a893 | --old DIR] [--rounds 3] [--warmup 1]
+        [--seed 0] [--ckpt WORKDIR] [--compilation_cache DIR]
 
 Both engines serve the same model (the default config's tiny Qwen3, randomly
 initialised from --seed, so turns run to their token budget rather than a learned
@@ -13,7 +13,8 @@ as `train.py` collects it. The old engine's code is read from git (`git show
 <old>:inference/embedded.py`, its `sampling.py` and its `models/qwen3.py`, whose
 decode path and cache layout the engine uses) and imported beside this tree's.
 Each round runs the phase once per engine, the order alternating so machine load
-affects both alike; round 0 includes compilation and is reported apart. tokens/s is
+affects both alike; the first --warmup rounds compile and are left out of the steady
+figures (with train.py's compilation cache, a rerun compiles little for either engine). tokens/s is
 generated tokens over the phase's wall time, as the per-step console line counts it.
 
 Prints one JSON object; progress goes to stderr.
