@@ -594,6 +594,8 @@ class EmbeddedEngine(Engine):
         (a running row's, or an earlier admitted row's once it is prefilled) than the row
         holds: (row, source slot, shared length), at least one id left to prefill. Such a
         row is prefilled after the others, from a copy of its source's positions."""
+        if not admitted:  # most rounds: only decoding rows, nothing to look up
+            return []
         index = SharedPrefixes(_SHARE_BLOCK)
         for r in self._rows:
             index.add(r.block_hashes(r.fed), r.ids, r.slot)
