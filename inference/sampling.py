@@ -1,12 +1,13 @@
 """Per-row token sampling: temperature, top-k, top-p, greedy; SGLang-convention log-probs.
 
 Decoding a small model is bound by what runs over the vocabulary per row, so each
-path does only what its rows need: a batch of greedy rows takes a first-index argmax
-and one log-sum-exp, and draws no random numbers; sampled rows draw one uniform each
-and invert the CDF blockwise (block sums, then one block's cumulative sum) instead of
-drawing noise for every token; truncated rows (top-k / top-p) sample among the
-`candidates` largest logits whenever those hold the whole kept set, and fall back to
-a full sort only when they do not.
+path does only what its rows need, over the logits cut into blocks of 128 tokens: a
+batch of greedy rows takes a first-index argmax (block maxima, then one block) and one
+log-sum-exp, and draws no random numbers; sampled rows draw one uniform each and invert
+the CDF blockwise (block sums, then one block's cumulative sum) instead of drawing
+noise for every token, from the same pass of exp that gives their log-sum-exp;
+truncated rows (top-k / top-p) sample among the `candidates` largest logits whenever
+those hold the whole kept set, and fall back to a full sort only when they do not.
 
 A row's uniform is jax.random.uniform(fold_in(PRNGKey(seed), position)), bit for bit,
 computed by `uniform_at` with the Threefry-2x32 rounds unrolled: jax lowers Threefry
@@ -80,6 +81,32 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(x == top, index, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
+def _blocks(x: jax.Array, fill: float) -> jax.Array:
+    """[B,V] -> [B, ceil(V / _BLOCK), _BLOCK], the tail padded with `fill`."""
+    pad = -x.shape[-1] % _BLOCK
+    return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(x.shape[0], -1, _BLOCK)
+
+
+def _blocked_argmax(blocks: jax.Array, block_max: jax.Array) -> jax.Array:
+    """first_argmax of the rows of `blocks` [B,N,_BLOCK] given their maxima [B,N]: the
+    first block holding the row's maximum, then the first index within that block."""
+    block = first_argmax(block_max)
+    inner = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]
+    return block * _BLOCK + first_argmax(inner)
+
+
+def greedy_tokens(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(first_argmax, log_softmax at it) of logits [B,V] f32, blockwise: the maximum's
+    block from the block maxima, its index within that one block, and log_softmax(max) =
+    -log(sum(exp(logits - max))). On CPU, at 32 rows x 4096 tokens, this takes half the
+    time of the same reductions over whole rows, which wrote [B,V] intermediates."""
+    blocks = _blocks(logits, -jnp.inf)
+    block_max = jnp.max(blocks, axis=-1)
+    top = jnp.max(block_max, axis=-1)
+    logp = -jnp.log(jnp.sum(jnp.exp(blocks - top[:, None, None]), axis=(1, 2)))
+    return _blocked_argmax(blocks, block_max), logp
+
+
 def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     """Index j with P(j) = w_j / sum(w): the first j whose cumulative weight exceeds u * sum(w).
 
@@ -87,10 +114,12 @@ def inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
     found from cumulative block sums, the index from that block's cumulative sum, so
     only V / 128 + 128 prefix sums are taken per row. Returns [B] int32.
     """
-    rows, vocab = weights.shape
-    pad = -vocab % _BLOCK
-    blocks = jnp.pad(weights, ((0, 0), (0, pad))).reshape(rows, -1, _BLOCK)
-    block_sum = blocks.sum(axis=-1)
+    blocks = _blocks(weights, 0.0)
+    return _blocked_inverse_cdf(blocks, blocks.sum(axis=-1), u, weights.shape[-1])
+
+
+def _blocked_inverse_cdf(blocks, block_sum, u, vocab: int) -> jax.Array:
+    """inverse_cdf of weights laid out as `_blocks` [B,N,_BLOCK] with their sums [B,N]."""
     block_cdf = jnp.cumsum(block_sum, axis=-1)
     threshold = u * block_cdf[:, -1]
     block = jnp.minimum(jnp.sum(block_cdf <= threshold[:, None], axis=-1), block_sum.shape[1] - 1)
@@ -142,25 +171,27 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
     """
     greedy = temperature <= 0.0
 
-    def all_greedy():
-        top = jnp.max(logits, axis=-1, keepdims=True)
-        index = jnp.arange(logits.shape[-1], dtype=jnp.int32)
-        best = jnp.min(jnp.where(logits == top, index, logits.shape[-1]), axis=-1)
-        # log_softmax at the argmax: max - logsumexp = -log(sum(exp(logits - max))).
-        return best.astype(jnp.int32), -jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
-
     def mixed():
+        # One pass of exp over the blocked logits gives the log-sum-exp, the weights of
+        # the plain inverse CDF and its block sums; the block maxima give greedy rows'
+        # argmax (their scaled logits are the logits).
         scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-        lse = jax.nn.logsumexp(scaled, axis=-1)
+        blocks = _blocks(scaled, -jnp.inf)
+        block_max = jnp.max(blocks, axis=-1)
+        top = jnp.max(block_max, axis=-1)
+        weights = jnp.exp(blocks - top[:, None, None])
+        block_sum = jnp.sum(weights, axis=-1)
+        lse = top + jnp.log(jnp.sum(block_sum, axis=-1))
         u = uniform_at(seeds, positions)
         truncated = ~greedy & ((top_p < 1.0) | (top_k > 0))
-        plain = inverse_cdf(jnp.exp(scaled - lse[:, None]), u)
+        plain = _blocked_inverse_cdf(weights, block_sum, u, scaled.shape[-1])
         cut = jax.lax.cond(
             jnp.any(truncated),
             lambda: _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates),
             lambda: plain)
-        tokens = jnp.where(greedy, first_argmax(logits), jnp.where(truncated, cut, plain))
+        argmax = _blocked_argmax(blocks, block_max)
+        tokens = jnp.where(greedy, argmax, jnp.where(truncated, cut, plain))
         logp = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse
         return tokens, logp
 
-    return jax.lax.cond(jnp.all(greedy), all_greedy, mixed)
+    return jax.lax.cond(jnp.all(greedy), lambda: greedy_tokens(logits), mixed)

@@ -11,7 +11,14 @@ from flax import nnx
 
 from inference.embedded import _PREFILL_CALL_TOKENS, EmbeddedEngine, bucket, prefill_groups
 from inference.engine import GenerateRequest
-from inference.sampling import first_argmax, inverse_cdf, sample_tokens, truncation_mask, uniform_at
+from inference.sampling import (
+    first_argmax,
+    greedy_tokens,
+    inverse_cdf,
+    sample_tokens,
+    truncation_mask,
+    uniform_at,
+)
 from kernels.logprob.api import token_logprobs
 from models.qwen3 import Qwen3, Qwen3Config
 
@@ -373,6 +380,12 @@ def test_argmax_and_inverse_cdf_match_numpy():
     rng = np.random.default_rng(1)
     x = rng.integers(0, 4, (50, 300)).astype(np.float32)  # many ties: the first index wins
     np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, -1))
+    x[:, 290:] = 4  # the maximum in the last, partial block of 128 only
+    x[:5, 7] = 4  # or also in the first
+    tokens, logp = greedy_tokens(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(tokens), np.argmax(x, -1))
+    lse = np.log(np.exp(x.astype(np.float64)).sum(-1))
+    np.testing.assert_allclose(np.asarray(logp), x.max(-1) - lse, atol=1e-5)
     w = rng.random((50, 300)).astype(np.float32) * (rng.random((50, 300)) < 0.3)
     u = rng.random(50).astype(np.float32)
     want = [np.searchsorted(np.cumsum(w[i]), u[i] * w[i].sum(), side="right") for i in range(50)]
