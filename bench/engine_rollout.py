@@ -14,8 +14,9 @@ as `train.py` collects it. The old engine's code is read from git (`git show
 decode path and cache layout the engine uses) and imported beside this tree's.
 Each round runs the phase once per engine, the order alternating so machine load
 affects both alike; the first --warmup rounds compile and are left out of the steady
-figures (with train.py's compilation cache, a rerun compiles little for either engine). tokens/s is
-generated tokens over the phase's wall time, as the per-step console line counts it.
+figures (with train.py's compilation cache, a rerun compiles little for either engine).
+tokens/s is generated tokens over the phase's wall time, as the per-step console line
+counts it.
 
 Prints one JSON object; progress goes to stderr.
 """

@@ -256,11 +256,14 @@ class Linear(nnx.Module):
 
 
 def project(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]:
-    """[lin(x) for lin in linears] as one matmul with their kernels side by side. At one
-    token per row (a decode step) the separate matmuls are small and each costs more
-    than its arithmetic; inside a decode loop XLA hoists the concatenation out of it (on
-    CPU, q/k/v and gate/up fused so: 10-15% of a decode step of the tiny preset at 32
-    rows)."""
+    """[lin(x) for lin in linears] of x [B,T,in]; at one token per row (a decode step)
+    as one matmul with their kernels side by side. There the separate matmuls are small
+    and each costs more than its arithmetic; inside a decode loop XLA hoists the
+    concatenation out of it (on CPU, q/k/v and gate/up fused so: 10-15% of a decode step
+    of the tiny preset at 32 rows). Longer inputs (training, prefill) keep the separate
+    matmuls."""
+    if x.shape[1] != 1:
+        return [lin(x) for lin in linears]
     dtype = linears[0].dtype
     kernel = jnp.concatenate([lin.kernel[...] for lin in linears], axis=1).astype(dtype)
     y = jnp.dot(x.astype(dtype), kernel)
@@ -301,8 +304,7 @@ class Attention(nnx.Module):
     def qkv(self, x, positions, angles=None):
         """x [B,T,d] -> q [B,T,H,D], k, v [B,T,K,D] (normed and rotated; angles: see rope)."""
         b, t, _ = x.shape
-        linears = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = project(x, linears) if t == 1 else [lin(x) for lin in linears]
+        q, k, v = project(x, (self.q_proj, self.k_proj, self.v_proj))
         q = self.q_norm(q.reshape(b, t, -1, self.head_dim))
         k = self.k_norm(k.reshape(b, t, -1, self.head_dim))
         v = v.reshape(b, t, -1, self.head_dim)
@@ -320,8 +322,7 @@ class MLP(nnx.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg, rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        linears = (self.gate_proj, self.up_proj)
-        gate, up = project(x, linears) if x.shape[1] == 1 else [lin(x) for lin in linears]
+        gate, up = project(x, (self.gate_proj, self.up_proj))
         return self.down_proj(jax.nn.silu(gate) * up)
 
 
