@@ -96,16 +96,22 @@ def prefill_groups(lengths: Sequence[int], *, max_batch: int, min_batch: int, ma
     """Splits rows with `lengths` new tokens into prefill calls, longest first, so that
     padding to each call's [prefill_rows, bucket(longest)] rectangle plus a fixed cost
     per call is least (a row of 300 tokens no longer pads 31 rows of 40 to 512).
-    Returns lists of indices into `lengths`."""
+    Returns lists of indices into `lengths`.
+
+    cost[j], the least cost of the rows order[j:], never grows with j (fewer rows), and
+    a call's rows are a power of two (or max_batch), so the call that starts at row j
+    takes as many rows as a power of two, max_batch or all that are left: O(n log n),
+    not the O(n^2) of trying every size."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     n = len(order)
     cost, cut = [0] * (n + 1), [n] * (n + 1)
+    sizes = sorted({1 << i for i in range(n.bit_length() + 1)} | {max_batch})
+    area = functools.cache(lambda m, width: width * prefill_rows(
+        m, width, max_batch=max_batch, min_batch=min_batch, min_len=min_len))
     for j in range(n - 1, -1, -1):  # cost[j]: the rows order[j:], grouped best
         width = bucket(lengths[order[j]], max_len, min_len)
-        rows = functools.partial(prefill_rows, width=width, max_batch=max_batch,
-                                 min_batch=min_batch, min_len=min_len)
-        cost[j], cut[j] = min((rows(k - j) * width + _PREFILL_CALL_TOKENS + cost[k], k)
-                              for k in range(j + 1, n + 1))
+        cost[j], cut[j] = min((area(k - j, width) + _PREFILL_CALL_TOKENS + cost[k], k)
+                              for k in {min(j + m, n) for m in sizes})
     groups, j = [], 0
     while j < n:
         groups.append(order[j:cut[j]])

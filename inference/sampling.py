@@ -98,11 +98,16 @@ def _blocked_argmax(blocks: jax.Array, block_max: jax.Array) -> jax.Array:
 def _blocked_exp(x: jax.Array):
     """x [B,V] as `_blocks` (tail -inf), their maxima [B,N], the rows' maxima [B], and
     exp(x - row max) as blocks with their sums [B,N]: one pass of exp serves a row's
-    log-sum-exp (max + log(sum of block sums)) and its inverse CDF's weights."""
+    log-sum-exp (max + log(sum of block sums)) and its inverse CDF's weights.
+
+    The block maxima and the exponentials are materialised (optimization barriers):
+    otherwise XLA takes the rows' maxima in a second pass over x and fuses the exp into
+    its sum, a reduction the CPU backend runs on one thread (on CPU, at 32 rows x 4096
+    tokens, greedy_tokens in 0.85 of the time)."""
     blocks = _blocks(x, -jnp.inf)
-    block_max = jnp.max(blocks, axis=-1)
+    block_max = jax.lax.optimization_barrier(jnp.max(blocks, axis=-1))
     top = jnp.max(block_max, axis=-1)
-    weights = jnp.exp(blocks - top[:, None, None])
+    weights = jax.lax.optimization_barrier(jnp.exp(blocks - top[:, None, None]))
     return blocks, block_max, top, weights, jnp.sum(weights, axis=-1)
 
 

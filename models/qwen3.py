@@ -199,6 +199,17 @@ def rope_angles(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array
     return jnp.cos(angle), jnp.sin(angle)
 
 
+def _rope_lookup(positions: jax.Array, length: int, dim: int,
+                 theta: float) -> tuple[jax.Array, jax.Array]:
+    """rope_angles(positions, dim, theta) for positions [B,T] in [0, length) (others
+    clipped), gathered from a table of every position below `length`: computed from the
+    positions themselves, XLA fused cos and sin into each layer's q and k and evaluated
+    them per head and element (on CPU, 40% of a [32, 32] prefill's q and k rotation)."""
+    cos, sin = rope_angles(jnp.arange(length)[None], dim, theta)  # [1,length,1,D]
+    at = jnp.clip(positions, 0, length - 1)
+    return cos[0][at], sin[0][at]
+
+
 def rope(x: jax.Array, positions: jax.Array, theta: float,
          angles: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """Rotary embedding, HF rotate_half layout.
@@ -370,9 +381,14 @@ class DecoderLayer(nnx.Module):
 
 # Scores per row up to which a decode call attends densely (every token against every
 # slot of the window, in two batched matmuls), not through kernels.attention's blocks:
-# a decode step always, and a short prefill against a short window (on CPU, a [32, 32]
-# prefill against 32 slots: 8.4 ms against 9.1 ms through the blocks).
-_DENSE_SCORES = 4096
+# a decode step always, and a prefill of up to 64 tokens against 1024 slots, 128
+# against 512, ... . The blocks skip slots past a row's length, but on CPU their
+# online softmax costs more per score than the dense one: an agent turn's observation
+# ([8, 64] tokens against 768 slots, 564 filled) takes 11 ms densely against 19 ms in
+# blocks, [4, 128] against 768 10 against 22. Past this, a call whose window is mostly
+# empty gains from the skipping ([32, 128] against 1024 slots, 228 filled: 86 ms in
+# blocks, 161 densely).
+_DENSE_SCORES = 1 << 16
 # Key block of prefill from a cache: a cache is filled to any length, and the blocks past
 # it are skipped whole (on CPU, [8,128] tokens against 1024 slots filled to ~530: 2.2x
 # faster than 512-slot blocks, the same at 256 slots).
@@ -530,11 +546,7 @@ class Qwen3(nnx.Module):
         lengths = jnp.maximum(cache.lengths, jnp.max(positions, axis=1) + 1).astype(jnp.int32)
 
         layers = self.unstacked_layers() if layers is None else layers
-        # The rotary angles once for every layer's q and k, materialised: fused into each
-        # consumer, their cos and sin were computed per element of q and k (on CPU, 7%
-        # of a decode step of the tiny preset at 32 rows).
-        angles = jax.lax.optimization_barrier(
-            rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta))
+        angles = _rope_lookup(positions, max_len, self.cfg.head_dim, self.cfg.rope_theta)
         x, ks, vs = self.embed_tokens(tokens), [], []
         for layer, k, v in zip(layers, cache.k, cache.v, strict=True):
             x, k, v = layer.decode(x, positions, slots, k, v, valid, angles)

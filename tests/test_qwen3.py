@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from models import qwen3
 from models.qwen3 import PRESETS, Qwen3, Qwen3Config, remat_group
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
@@ -24,11 +25,6 @@ def _call(model, tokens, positions, segment_ids):
     return model(tokens, positions, segment_ids)
 
 
-@nnx.jit
-def _decode(model, tokens, positions, cache):
-    return model.decode(tokens, positions, cache)
-
-
 def _forward(model, tokens, pad_to=12):
     """Hidden states [T, d] of one unpacked sequence (padded to one shape: one compile)."""
     n = len(tokens)
@@ -40,9 +36,13 @@ def _forward(model, tokens, pad_to=12):
     return np.asarray(hidden[0, :n])
 
 
-def test_decode_matches_forward(model):
+@pytest.mark.parametrize("dense_scores", [qwen3._DENSE_SCORES, 0], ids=["dense", "blocks"])
+def test_decode_matches_forward(model, dense_scores, monkeypatch):
     """Two rows with prompts of 5 and 3 tokens, prefilled in chunks of 3 and 2 (row 1's
-    second chunk is padding, position -1), then 4 single-token steps."""
+    second chunk is padding, position -1), then 4 single-token steps; the prefill chunks
+    attend densely, or through kernels.attention's blocks."""
+    monkeypatch.setattr(qwen3, "_DENSE_SCORES", dense_scores)
+    decode = nnx.jit(lambda m, tokens, positions, cache: m.decode(tokens, positions, cache))
     rng = np.random.RandomState(0)
     seqs = [rng.randint(0, CFG.vocab_size, 9), rng.randint(0, CFG.vocab_size, 7)]
     full = [_forward(model, s) for s in seqs]
@@ -52,8 +52,8 @@ def test_decode_matches_forward(model):
         ([seqs[0][3:5], [0, 0]], [[3, 4], [-1, -1]]),
     ] + [([[seqs[0][5 + i]], [seqs[1][3 + i]]], [[5 + i], [3 + i]]) for i in range(4)]
     for tokens, positions in chunks:
-        hidden, cache = _decode(model, jnp.asarray(np.array(tokens, np.int32)),
-                                jnp.asarray(np.array(positions, np.int32)), cache)
+        hidden, cache = decode(model, jnp.asarray(np.array(tokens, np.int32)),
+                               jnp.asarray(np.array(positions, np.int32)), cache)
         for b in range(2):
             for t, p in enumerate(positions[b]):
                 if p >= 0:
