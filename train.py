@@ -283,7 +283,7 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
     decoded conversation beside it (`..._transcripts.jsonl`). Written by `writer` if
     given (else the caller writes the returned scalars with its own). Over several
     processes, each runs its share of the tasks and process 0 writes the whole."""
-    eval_agent = agent.with_sampling(temperature=config.eval_temperature)
+    eval_agent = agent.with_sampling(temperature=config.eval_temperature, logprobs=False)
     jobs = [RolloutJob(t, seed=i) for i, t in enumerate(tasks)]
     with setup.progress(len(jobs), f"eval @ {step}") as bar:
         groups = await distributed.collect_groups(eval_agent, jobs, 1, bar.update)

@@ -6,7 +6,10 @@ with models.hf_io.save_hf and loaded by transformers. Each batch size generates
 exactly `new_tokens` greedy tokens after a `prompt_len`-token prompt; tokens/s counts
 generated tokens over the wall time of the whole call (prefill included), best of
 `repeats` runs after a warm-up (compilation excluded), the runs interleaved so machine
-load affects all alike.
+load affects all alike. HF's `generate` is called without scores and the embedded
+engine's requests without log-probs (`return_logprob=False`, as greedy evaluation
+sends them: no log-sum-exp over the vocabulary per step); `embedded_logprobs` is the
+same generation with them, as a rollout asks for them.
 
 The matmul bound is the time of the model's weight matmuls alone at the same shapes,
 measured in the same run: a jitted loop of the prefill's projections over the
@@ -45,8 +48,9 @@ def _log(*args):
     print(*args, file=sys.stderr, flush=True)
 
 
-def _jax_runner(engine: EmbeddedEngine, prompts: np.ndarray, new_tokens: int):
-    requests = [GenerateRequest(p.tolist(), new_tokens, temperature=0.0) for p in prompts]
+def _jax_runner(engine: EmbeddedEngine, prompts: np.ndarray, new_tokens: int, logprobs: bool):
+    requests = [GenerateRequest(p.tolist(), new_tokens, temperature=0.0,
+                                return_logprob=logprobs) for p in prompts]
 
     def run():
         results = asyncio.run(engine.generate(requests))
@@ -148,7 +152,8 @@ def main(argv=None) -> dict:
     rows = {}
     for batch in batch_sizes:
         prompts = rng.integers(0, cfg.vocab_size, (batch, args.prompt_len))
-        runners = {"embedded": _jax_runner(engine, prompts, args.new_tokens),
+        runners = {"embedded": _jax_runner(engine, prompts, args.new_tokens, False),
+                   "embedded_logprobs": _jax_runner(engine, prompts, args.new_tokens, True),
                    "hf": _hf_runner(hf_model, torch, prompts, args.new_tokens),
                    "matmul_bound": _bound_runner(model, batch, args.prompt_len,
                                                  args.new_tokens)}
@@ -163,13 +168,18 @@ def main(argv=None) -> dict:
                     outputs[name] = out
         tps = {name: batch * args.new_tokens / t for name, t in best.items()}
         agree = float(np.mean(outputs["embedded"] == outputs["hf"]))
+        agree_logprobs = float(np.mean(outputs["embedded_logprobs"] == outputs["hf"]))
         rows[str(batch)] = {
             "embedded_tokens_per_s": round(tps["embedded"], 1),
+            "embedded_logprobs_tokens_per_s": round(tps["embedded_logprobs"], 1),
             "hf_tokens_per_s": round(tps["hf"], 1),
             "matmul_bound_tokens_per_s": round(tps["matmul_bound"], 1),
             "fraction_of_matmul_bound": round(tps["embedded"] / tps["matmul_bound"], 3),
+            "logprobs_fraction_of_matmul_bound": round(
+                tps["embedded_logprobs"] / tps["matmul_bound"], 3),
             "speedup_vs_hf": round(tps["embedded"] / tps["hf"], 2),
-            "greedy_token_agreement": round(agree, 3)}
+            "logprobs_speedup_vs_hf": round(tps["embedded_logprobs"] / tps["hf"], 2),
+            "greedy_token_agreement": round(min(agree, agree_logprobs), 3)}
         _log(f"batch {batch}: {rows[str(batch)]}")
     engine.close()
     result = {"model": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,

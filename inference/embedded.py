@@ -305,10 +305,10 @@ def _decode_head(model) -> jax.Array:
     return jax.lax.optimization_barrier(model.lm_head().astype(jnp.float32))
 
 
-def _sample_at(head, hidden, positions, seeds, temperature, top_p, top_k):
+def _sample_at(head, hidden, positions, seeds, temperature, top_p, top_k, want_logp):
     """Samples the token for `positions` [B] from hidden [B,d] and the head [d,V]."""
     logits = hidden.astype(jnp.float32) @ head
-    return sample_tokens(logits, temperature, top_p, top_k, seeds, positions)
+    return sample_tokens(logits, temperature, top_p, top_k, seeds, positions, want_logp)
 
 
 def _prefill(graphdef, params, pool_k, pool_v, slots, tokens, positions, start, last,
@@ -316,7 +316,7 @@ def _prefill(graphdef, params, pool_k, pool_v, slots, tokens, positions, start, 
     """Feeds `tokens` [R,P] at `positions` (-1: padding) into rows `slots`, whose
     positions [0, start) are already filled, and samples the token after index `last`.
 
-    sampling: (seeds, temperature, top_p, top_k), [R] each.
+    sampling: (seeds, temperature, top_p, top_k, want_logp), [R] each.
     Returns (pool_k, pool_v, tokens [R], logp [R]).
     """
     model = nnx.merge(graphdef, params)
@@ -651,13 +651,15 @@ class EmbeddedEngine(Engine):
         return self._pool
 
     def _sampling(self, rows: Sequence[_Row], n: int):
-        """(seeds, temperature, top_p, top_k) of `rows`, padded to n rows."""
+        """(seeds, temperature, top_p, top_k, want_logp) of `rows`, padded to n rows
+        (padding rows: greedy, no log-prob)."""
         reqs = [r.pending.request for r in rows]
         pad = n - len(rows)
         return (np.array([r.pending.seed for r in rows] + [0] * pad, np.uint32),
                 np.array([q.temperature for q in reqs] + [0.0] * pad, np.float32),
                 np.array([q.top_p for q in reqs] + [1.0] * pad, np.float32),
-                np.array([q.top_k for q in reqs] + [-1] * pad, np.int32))
+                np.array([q.top_k for q in reqs] + [-1] * pad, np.int32),
+                np.array([q.return_logprob for q in reqs] + [False] * pad, bool))
 
     def _prefill(self, params, rows: list[_Row]) -> None:
         fed = max(len(r.ids) - r.fed for r in rows)

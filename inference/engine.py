@@ -42,6 +42,9 @@ class GenerateRequest:
     top_k: keep the k most likely tokens; -1 keeps all.
     stop_token_ids: generation ends after emitting any of these (the id is kept in the output).
     seed: same seed and same prompt give the same sample; None draws a fresh one.
+    return_logprob: False when the caller has no use for the log-probs (greedy
+      evaluation): an engine may then leave them out of its work (the embedded one skips
+      a greedy step's log-sum-exp over the vocabulary) and report NaN in their place.
     """
 
     prompt_ids: Sequence[int]
@@ -51,6 +54,7 @@ class GenerateRequest:
     top_k: int = -1
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None
+    return_logprob: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))

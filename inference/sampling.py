@@ -172,6 +172,7 @@ def _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates: int):
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
                   top_k: jax.Array, seeds: jax.Array, positions: jax.Array,
+                  want_logp: jax.Array | None = None,
                   candidates: int = 64) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row.
 
@@ -180,6 +181,8 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
     token where the CDF of the (truncated) softmax(logits / t) crosses its uniform. The
     log-prob is log_softmax(logits / t)[token] over the full vocabulary (t = 1 when
     greedy), which is what SGLang reports and what the learner recomputes.
+    want_logp[B] bool (None: all): when no row wants its log-prob and every row is
+    greedy, only the argmax is taken and logp is NaN.
     Returns (tokens[B] int32, logp[B] f32).
     """
     greedy = temperature <= 0.0
@@ -202,4 +205,11 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
         logp = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0] - lse
         return tokens, logp
 
-    return jax.lax.cond(jnp.all(greedy), lambda: greedy_tokens(logits), mixed)
+    def argmax_only():
+        blocks = _blocks(logits, -jnp.inf)
+        tokens = _blocked_argmax(blocks, jnp.max(blocks, axis=-1))
+        return tokens, jnp.full(tokens.shape, jnp.nan, jnp.float32)
+
+    wanted = True if want_logp is None else jnp.any(want_logp)
+    branch = jnp.where(jnp.all(greedy), jnp.where(wanted, 1, 0), 2)
+    return jax.lax.switch(branch, [argmax_only, lambda: greedy_tokens(logits), mixed])

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import sys
@@ -143,7 +144,8 @@ def parse_generate(body: dict[str, Any], vocab_size: int | None = None
         if vocab_size is not None and any(t >= vocab_size for t in prompt):
             raise ValueError(f"The input_ids {prompt[:64]} contains values greater than the "
                              f"vocab size ({vocab_size}).")  # SGLang's words
-        requests.append(parse_sampling(params, prompt, vocab_size))
+        request, prompt_only = parse_sampling(params, prompt, vocab_size)
+        requests.append((dataclasses.replace(request, return_logprob=logprob[i]), prompt_only))
     return batched, requests, rids, logprob
 
 
@@ -393,7 +395,6 @@ def build_engine(hf_dir: str | None, preset: str | None, seed: int,
                  **options: int) -> tuple[Engine, str | None]:
     """An EmbeddedEngine over an HF directory or a randomly initialised preset (with the
     Qwen3Config fields found in `overrides`); `options` go to EmbeddedEngine."""
-    import dataclasses
 
     from flax import nnx
 

@@ -72,6 +72,8 @@ class RolloutConfig:
     max_response_tokens: generated tokens in the whole trajectory (replayed included).
     max_context: prompt + all turns, in tokens.
     wall_timeout_s: seconds for the whole trajectory, grading excluded.
+    logprobs: the engine computes the sampled tokens' log-probs (False for greedy
+      evaluation, whose turns are never trained on: NaN in their place).
     """
 
     max_steps: int = 8
@@ -85,6 +87,7 @@ class RolloutConfig:
     test_timeout_s: float = 60.0
     env_retries: int = 1  # env_error rollouts are re-run this many times
     system_prompt: str = SYSTEM_PROMPT
+    logprobs: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +165,8 @@ class Agent:
         cfg = self.cfg
         request = GenerateRequest(
             context, budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            stop_token_ids=self.stop_ids, seed=_seed(job.seed, attempt, len(context)))
+            stop_token_ids=self.stop_ids, seed=_seed(job.seed, attempt, len(context)),
+            return_logprob=cfg.logprobs)
         [result] = await self.engine.generate([request])
         if result.finish_reason == "abort":
             raise EngineError(f"engine aborted a request of task {job.task.instance_id}")

@@ -104,6 +104,16 @@ def test_logprobs_match_kernel(engine, forward, temperature):
         assert res.output_ids != greedy.output_ids
 
 
+def test_greedy_without_logprobs_gives_the_same_tokens(engine):
+    ids = [prompt(3, 9), prompt(4, 5)]
+    want = run(engine.generate([GenerateRequest(p, 12, temperature=0.0) for p in ids]))
+    got = run(engine.generate([GenerateRequest(p, 12, temperature=0.0, return_logprob=False)
+                               for p in ids]))
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert all(len(r.logprobs) == 12 and np.isnan(r.logprobs).all() for r in got)
+    assert all(np.isfinite(r.logprobs).all() for r in want)
+
+
 def test_stop_ids_and_max_new_tokens(engine):
     ids = prompt(3, 5)
     (full,) = run(engine.generate([GenerateRequest(ids, 20, temperature=0.9, seed=1)]))
@@ -417,6 +427,27 @@ def test_greedy_rows_take_the_first_argmax_and_its_log_softmax():
         lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
         np.testing.assert_allclose(np.asarray(logp)[greedy],
                                    (logits.max(-1) - lse)[greedy], atol=1e-5)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["all_greedy", "with_sampled"])
+def test_log_probs_left_out_only_when_no_row_wants_them(mixed):
+    """All-greedy rows none of which wants its log-prob take the argmax alone (NaN
+    log-probs); one row that wants it, or a sampled row, gives every row its log-prob."""
+    rng = np.random.default_rng(5)
+    logits = rng.integers(0, 5, (8, 300)).astype(np.float32)
+    t = np.where((np.arange(8) == 3) & mixed, 0.7, 0.0).astype(np.float32)
+    lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
+    for want in (np.zeros(8, bool), np.arange(8) == 5):
+        tokens, logp = jax.jit(sample_tokens)(
+            jnp.asarray(logits), jnp.asarray(t), jnp.ones(8), -jnp.ones(8, jnp.int32),
+            jnp.arange(8, dtype=jnp.uint32), jnp.zeros(8, jnp.int32), jnp.asarray(want))
+        greedy = t <= 0
+        np.testing.assert_array_equal(np.asarray(tokens)[greedy], np.argmax(logits, -1)[greedy])
+        if want.any() or mixed:
+            np.testing.assert_allclose(np.asarray(logp)[greedy],
+                                       (logits.max(-1) - lse)[greedy], atol=1e-5)
+        else:
+            assert np.isnan(np.asarray(logp)).all()
 
 
 @pytest.mark.parametrize("candidates", [64, 2])  # 2: top-k 3 / top-p 0.8 need the full sort

@@ -473,3 +473,18 @@ def test_sglang_command_line_uses_documented_flags():
     assert launcher.url == "http://0.0.0.0:30011"
     with pytest.raises(KeyError, match="tp"):
         SGLangLauncher({"tp": 2})
+
+
+def test_return_logprob_reaches_each_request():
+    """SGLang's return_logprob (one flag, or one per item) becomes each request's, so the
+    engine may skip log-probs nobody reads; left out, it is False, as in SGLang."""
+    from inference.server import parse_generate
+
+    params = {"max_new_tokens": 2, "temperature": 0}
+    body = {"input_ids": [[1, 2], [3]], "return_logprob": [True, False],
+            "sampling_params": [params, params]}
+    _, requests, _, flags = parse_generate(body)
+    assert flags == [True, False]
+    assert [r.return_logprob for r, _ in requests] == [True, False]
+    _, requests, _, _ = parse_generate({"input_ids": [4], "sampling_params": params})
+    assert [r.return_logprob for r, _ in requests] == [False]
