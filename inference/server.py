@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import logging
 import sys
@@ -68,10 +67,11 @@ PROTOCOL_VERSION = "0.5.3"  # the SGLang release whose protocol this server spea
 
 
 def parse_sampling(params: dict[str, Any] | None, prompt_ids: Sequence[int],
-                   vocab_size: int | None = None) -> tuple[GenerateRequest, bool]:
+                   vocab_size: int | None = None, return_logprob: bool = True
+                   ) -> tuple[GenerateRequest, bool]:
     """SGLang `sampling_params` + prompt -> (GenerateRequest, prompt_only); bad values
     raise ValueError. prompt_only: max_new_tokens was 0 (the request asks for no output).
-    vocab_size: stop ids must lie below it."""
+    vocab_size: stop ids must lie below it. return_logprob: the body's, for this item."""
     params = dict(params or {})
     for key, value in params.items():
         if key in _SUPPORTED or key in _IGNORED:
@@ -99,7 +99,7 @@ def parse_sampling(params: dict[str, Any] | None, prompt_ids: Sequence[int],
         temperature=float(params.get("temperature", 1.0)),
         top_p=float(params.get("top_p", 1.0)),
         top_k=int(params.get("top_k", -1)),
-        stop_token_ids=stops, seed=seed)
+        stop_token_ids=stops, seed=seed, return_logprob=return_logprob)
     return request, max_new == 0
 
 
@@ -112,9 +112,9 @@ def _per_item(value: Any, n: int, name: str) -> list[Any]:
 
 
 def parse_generate(body: dict[str, Any], vocab_size: int | None = None
-                   ) -> tuple[bool, list[tuple[GenerateRequest, bool]], list[str], list[bool]]:
-    """A /generate body -> (batched, (request, prompt_only) per item, rids, return_logprob
-    per item)."""
+                   ) -> tuple[bool, list[tuple[GenerateRequest, bool]], list[str]]:
+    """A /generate body -> (batched, (request, prompt_only) per item, rids); each
+    request carries its item's return_logprob."""
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
     if body.get("text") is not None or body.get("input_embeds") is not None:
@@ -144,9 +144,8 @@ def parse_generate(body: dict[str, Any], vocab_size: int | None = None
         if vocab_size is not None and any(t >= vocab_size for t in prompt):
             raise ValueError(f"The input_ids {prompt[:64]} contains values greater than the "
                              f"vocab size ({vocab_size}).")  # SGLang's words
-        request, prompt_only = parse_sampling(params, prompt, vocab_size)
-        requests.append((dataclasses.replace(request, return_logprob=logprob[i]), prompt_only))
-    return batched, requests, rids, logprob
+        requests.append(parse_sampling(params, prompt, vocab_size, logprob[i]))
+    return batched, requests, rids
 
 
 def _finish_reason(result: GenerateResult, message: str = "") -> dict[str, Any]:
@@ -157,8 +156,8 @@ def _finish_reason(result: GenerateResult, message: str = "") -> dict[str, Any]:
     return {"type": "abort", "message": message or "request aborted"}
 
 
-def render(result: GenerateResult, request: GenerateRequest, rid: str, return_logprob: bool,
-           weight_version: str, latency: float) -> dict[str, Any]:
+def render(result: GenerateResult, request: GenerateRequest, rid: str, weight_version: str,
+           latency: float) -> dict[str, Any]:
     """One SGLang /generate response item."""
     meta = {
         "id": rid,
@@ -169,7 +168,7 @@ def render(result: GenerateResult, request: GenerateRequest, rid: str, return_lo
         "weight_version": weight_version,
         "e2e_latency": latency,
     }
-    if return_logprob:
+    if request.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in
                                          zip(result.logprobs, result.output_ids, strict=True)]
         meta["input_token_logprobs"] = []
@@ -222,7 +221,7 @@ class Server:
     async def generate(self, http: web.Request) -> web.Response:
         start = time.perf_counter()
         try:
-            batched, items, rids, logprob = parse_generate(await http.json(), self.vocab_size)
+            batched, items, rids = parse_generate(await http.json(), self.vocab_size)
             for req, prompt_only in items:
                 self._check_context(req, prompt_only)
         except ValueError as e:  # includes json.JSONDecodeError
@@ -243,7 +242,7 @@ class Server:
             for rid in rids:
                 self.inflight.pop(rid, None)
         items = []
-        for outcome, req, rid, lp in zip(outcomes, requests, rids, logprob, strict=True):
+        for outcome, req, rid in zip(outcomes, requests, rids, strict=True):
             if isinstance(outcome, asyncio.CancelledError):
                 outcome = [GenerateResult([], [], "abort")]
             elif isinstance(outcome, ValueError):
@@ -251,7 +250,7 @@ class Server:
             elif isinstance(outcome, BaseException):
                 log.exception("generate failed", exc_info=outcome)
                 return _error(500, f"{type(outcome).__name__}: {outcome}")
-            items.append(render(outcome[0], req, rid, lp, self.weight_version,
+            items.append(render(outcome[0], req, rid, self.weight_version,
                                 time.perf_counter() - start))
         return web.json_response(items if batched else items[0])
 
@@ -395,6 +394,7 @@ def build_engine(hf_dir: str | None, preset: str | None, seed: int,
                  **options: int) -> tuple[Engine, str | None]:
     """An EmbeddedEngine over an HF directory or a randomly initialised preset (with the
     Qwen3Config fields found in `overrides`); `options` go to EmbeddedEngine."""
+    import dataclasses
 
     from flax import nnx
 

@@ -483,8 +483,7 @@ def test_return_logprob_reaches_each_request():
     params = {"max_new_tokens": 2, "temperature": 0}
     body = {"input_ids": [[1, 2], [3]], "return_logprob": [True, False],
             "sampling_params": [params, params]}
-    _, requests, _, flags = parse_generate(body)
-    assert flags == [True, False]
+    _, requests, _ = parse_generate(body)
     assert [r.return_logprob for r, _ in requests] == [True, False]
-    _, requests, _, _ = parse_generate({"input_ids": [4], "sampling_params": params})
+    _, requests, _ = parse_generate({"input_ids": [4], "sampling_params": params})
     assert [r.return_logprob for r, _ in requests] == [False]
