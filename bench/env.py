@@ -5,9 +5,10 @@
     python -m bench.env --backends local --old 3277056
 
 The local backend runs twice at each level: this tree's, and the one of `--old` (a
-commit, read from git: its env/sandbox/local.py and supervise.py, imported beside this
-tree's), which started a supervisor process per command. `local_new_over_old` is the
-ratio of their episodes/s; `load` is the load average before and after the run.
+commit, read from git: its env/sandbox/local.py, supervise.py and supervisor.py,
+imported beside this tree's; the default, 3277056, started a supervisor process per
+command). `local_new_over_old` is the ratio of their episodes/s; `load` is the load
+average before and after the run.
 
 Each episode is a whole expert demonstration: a fresh sandbox, every tool call with
 its per-step patch, the reward run of the tests, and teardown. For each backend and
@@ -73,13 +74,19 @@ def _guarded(factory, task) -> str:
 
 def old_local_factory(old: str, root: str):
     """task -> a LocalSandbox of commit `old`, imported as package `sandbox_old` under
-    `root` (its supervise.py beside it, where its local.py looks for it)."""
+    `root`: its local.py, supervise.py and (where it has one) supervisor.py side by side,
+    local.py importing that supervisor.py, not this tree's."""
     package = os.path.join(root, "sandbox_old")
     os.makedirs(package, exist_ok=True)
     open(os.path.join(package, "__init__.py"), "w").close()
-    for name in ("local", "supervise"):
-        src = subprocess.run(["git", "show", f"{old}:env/sandbox/{name}.py"], check=True,
-                             capture_output=True, text=True).stdout
+    for name in ("local", "supervise", "supervisor"):
+        shown = subprocess.run(["git", "show", f"{old}:env/sandbox/{name}.py"],
+                               capture_output=True, text=True)
+        if shown.returncode and name == "supervisor":
+            continue  # older commits: local.py started supervise.py itself
+        shown.check_returncode()
+        src = shown.stdout.replace("from env.sandbox.supervisor import",
+                                   "from sandbox_old.supervisor import")
         with open(os.path.join(package, f"{name}.py"), "w") as f:
             f.write(src)
     sys.path.insert(0, root)

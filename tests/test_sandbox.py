@@ -425,6 +425,38 @@ def test_local_supervisor_dying_between_commands_ends_the_episode_as_env_error()
     assert not running(supervisor) and uid_processes(uid) == []
 
 
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_local_supervisors_are_forked_by_one_fork_server_and_reaped():
+    """Every sandbox's supervisor is a child of this process's one fork server (no
+    interpreter started per sandbox); a closed one is reaped (no zombie left); a dead
+    fork server is replaced at the next sandbox, and the sandboxes it forked run on."""
+    from env.sandbox import supervisor
+
+    boxes = [make_sandbox("local", repo_files=FILES) for _ in range(3)]
+    try:
+        server = supervisor._fork_server().proc
+        pids = [sb._supervisor.proc.pid for sb in boxes]
+        assert {parent_pid(pid) for pid in pids} == {server.pid} and len(set(pids)) == 3
+        boxes.pop().close()
+        assert not os.path.exists(f"/proc/{pids[2]}")  # reaped, not a zombie
+        server.kill()
+        server.wait(10)
+        assert boxes[0].run("echo still").output == "still\n"
+        boxes.append(make_sandbox("local", repo_files=FILES))
+        replacement = supervisor._fork_server().proc
+        assert replacement.pid != server.pid and replacement.poll() is None
+        assert parent_pid(boxes[-1]._supervisor.proc.pid) == replacement.pid
+        assert boxes[-1].run("echo new").output == "new\n"
+    finally:
+        for sb in boxes:
+            sb.close()
+    assert all(not running(pid) for pid in pids)
+
+
 def test_local_supervisor_ends_with_its_owner(open_tmp):
     """A trainer killed while a command runs: the supervisor sees its control socket
     close, kills the command and exits; no process of the sandbox is left."""

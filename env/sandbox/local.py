@@ -4,7 +4,7 @@ Layout of one sandbox: `<tmp>/sandbox-XXXX/{repo,home,tmp}`; `repo` is a git che
 whose base commit `patch()` diffs against.
 
 Isolation: every command runs under the sandbox's supervisor (supervise.py, one
-long-lived process per sandbox, started with it; env.sandbox.supervisor talks to it),
+long-lived process per sandbox, forked with it; env.sandbox.supervisor talks to it),
 with the sandbox's own environment (PATH, HOME, TMPDIR, LANG: nothing of the trainer's)
 and rlimits (CPU seconds, address space, file size, processes). As root (required
 unless `allow_unisolated`), each command runs as a uid of its own, drawn at random from
@@ -136,7 +136,7 @@ class LocalSandbox(base.Sandbox):
         self.env_setup = env_setup
         self._lock = threading.Lock()
         # The supervisor while a command runs (its process group holds the command's).
-        self._running: set[subprocess.Popen] = set()
+        self._running: set = set()
         self._closed = False
         self._supervisor: Supervisor | None = None
         self._uid = secrets.randbelow(UID_RANGE[1] - UID_RANGE[0]) + UID_RANGE[0]

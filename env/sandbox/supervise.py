@@ -1,16 +1,27 @@
 """A sandbox's supervisor: one long-lived process that runs every command sent to it
 and leaves no process of a command behind.
 
-Started once per sandbox by env.sandbox.supervisor as `python -I -S supervise.py
-CONTROL_FD CONFIG_JSON`, as a new session leader, in the repository root. It serves
-requests on CONTROL_FD (a Unix stream socket) one at a time: a 4-byte big-endian
-length, the request's JSON, and three file descriptors passed with the length
-(SCM_RIGHTS): the command's stdin, stdout and stderr. The command's text travels in
-the request, so its length is not bounded by argv (see ARGV_SCRIPT_CHARS). For each request
-it forks the command (no new interpreter: a fork of this process that execs at once),
+Supervisors are forked from a fork server: env.sandbox.supervisor starts `python -I -S
+supervise.py SERVER_FD` once per process, and the server forks one supervisor per
+sandbox (a fork of an interpreter that has imported this module, not a new
+interpreter: a sandbox's start costs a fork). A request to the server on SERVER_FD (a
+Unix stream socket) is a 4-byte big-endian length and its JSON, `{"cwd", "env",
+"config"}`, with two file descriptors (SCM_RIGHTS): the new supervisor's control socket
+and its stderr. The server answers with the supervisor's pid (4 bytes) and a pidfd of
+it, through which the host waits for it and signals it; the server reaps the
+supervisor only when the host sends `{"reap": pid}`, so the pid is not reused while
+the host may still signal its process group. End of file on SERVER_FD ends the server
+(its supervisors run on).
+
+A supervisor is a new session leader, in the repository root (`cwd`), with the
+sandbox's environment (`env`). It serves requests on its control socket one at a time:
+a 4-byte big-endian length, the request's JSON, and three file descriptors passed with
+the length (SCM_RIGHTS): the command's stdin, stdout and stderr. The command's text
+travels in the request, so its length is not bounded by argv (see ARGV_SCRIPT_CHARS).
+For each request it forks the command (a fork of this process that execs at once),
 waits for it with a wall-clock deadline, kills every process the command left, and
-answers "EXIT_CODE TIMED_OUT CLEAN\n". End of file on CONTROL_FD (the sandbox closed,
-or its owner died) ends the supervisor after the same clean-up.
+answers "EXIT_CODE TIMED_OUT CLEAN\n". End of file on the control socket (the sandbox
+closed, or its owner died) ends the supervisor after the same clean-up.
 
 Isolated (`isolate` is the sandbox directory): the starting process enters new mount,
 PID and network namespaces; every mount is made read-only except a bind of the sandbox
@@ -32,7 +43,7 @@ The command's process drops to the sandbox's uid (when one is given) and lowers 
 rlimits before exec. Exit codes follow the shell: 128+N when the command died from
 signal N, -1 on timeout. SIGTERM/SIGINT end the server after the clean-up.
 
-Config keys: uid/gid (int | null: keep the caller's), rlimits ({"RLIMIT_CPU": n, ...};
+Config keys (`config`): uid/gid (int | null: keep the caller's), rlimits ({"RLIMIT_CPU": n, ...};
 "RLIMIT_NPROC" counts on top of the uid's running processes when uid is null, since the
 count is per user), isolate (str | null). Request keys: argv (list[str]), script (str |
 null: when given, bash runs it instead of argv), timeout (s).
@@ -292,9 +303,10 @@ def _clean_up(cfg):
 # -- requests -------------------------------------------------------------------------
 
 
-def _receive(control):
-    """(request, [stdin, stdout, stderr]) or None at end of file."""
-    header, fds, _, _ = socket.recv_fds(control, 4, 3)
+def _receive(control, num_fds=3):
+    """(request, its file descriptors: a command's stdin, stdout and stderr) or None at
+    end of file."""
+    header, fds, _, _ = socket.recv_fds(control, 4, num_fds)
     if not header:
         return None
     if len(header) < 4:
@@ -343,13 +355,12 @@ def _server(cfg, control):
         _clean_up(cfg)
 
 
-def main():
-    control = socket.socket(fileno=int(sys.argv[1]))
-    cfg = json.loads(sys.argv[2])
+def _supervise(cfg, control):
+    """A supervisor's life, in the process forked for it; returns its exit code."""
     if not cfg["isolate"]:
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         _server(cfg, control)
-        return
+        return 0
     _enter_namespaces(cfg["isolate"])
     server = os.fork()
     if server == 0:
@@ -364,7 +375,61 @@ def main():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     code = os.waitstatus_to_exitcode(os.waitpid(server, 0)[1])
-    sys.exit(128 - code if code < 0 else code)
+    return 128 - code if code < 0 else code
+
+
+# -- fork server ----------------------------------------------------------------------
+
+
+def _start_supervisor(request, fds):
+    """In the forked child: becomes the supervisor `request` asks for; never returns."""
+    code = 1
+    try:
+        control, stderr = fds
+        os.setsid()
+        os.dup2(stderr, 2)
+        os.close(stderr)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        code = _supervise(request["config"], socket.socket(fileno=control))
+    except BaseException as e:  # noqa: BLE001 - say why; the host reads it from stderr
+        os.write(2, f"sandbox supervisor: {type(e).__name__}: {e}\n".encode())
+    os._exit(code)
+
+
+def _fork_server(listen):
+    while True:
+        try:
+            received = _receive(listen, 2)
+        except _HostGone:
+            return
+        if received is None:
+            return
+        request, fds = received
+        if "reap" in request:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(request["reap"], 0)
+            continue
+        try:
+            pid = os.fork()
+        except OSError:  # no process to be had: pid 0 and no pidfd tell the host
+            pid = -1
+        if pid == 0:
+            listen.close()
+            _start_supervisor(request, fds)
+        for fd in fds:
+            os.close(fd)
+        pidfd = [os.pidfd_open(pid)] if pid > 0 else []
+        try:
+            socket.send_fds(listen, [struct.pack(">I", max(pid, 0))], pidfd)
+        finally:
+            for fd in pidfd:
+                os.close(fd)
+
+
+def main():
+    _fork_server(socket.socket(fileno=int(sys.argv[1])))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The host's end of a sandbox's supervisor (supervise.py): one process per sandbox,
-started once, that runs each command sent to it.
+forked by supervise.py's fork server, that runs each command sent to it.
 
 `Supervisor.run` sends one command with its stdin, stdout and stderr (pipes this
 process reads) and collects the output until the supervisor's status line and end of
@@ -7,6 +7,10 @@ file on every pipe. Commands of one supervisor run one at a time. Anything that 
 the status unknowable (the supervisor died, was killed, or missed its deadline by
 GRACE_S) raises SandboxError and leaves the supervisor broken: every later command
 raises the same error, since its processes can no longer be vouched for.
+
+The fork server is started once per process, on the first sandbox, and again if it
+dies (or after a fork of this process). A supervisor is its child, not ours: it is
+watched and signalled through a pidfd, and reaped only once `stop` has seen it exit.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import select
 import selectors
 import signal
 import socket
@@ -52,18 +57,19 @@ class Supervisor:
 
     def __init__(self, cwd: str, env: dict[str, str], uid: int | None,
                  rlimits: dict[str, int], isolate: str | None):
-        config = json.dumps({"uid": uid, "gid": uid, "rlimits": rlimits, "isolate": isolate})
+        config = {"uid": uid, "gid": uid, "rlimits": rlimits, "isolate": isolate}
         ours, theirs = socket.socketpair()
+        stderr_r, stderr_w = os.pipe()
         try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", SCRIPT, str(theirs.fileno()), config],
-                cwd=cwd, env=env, start_new_session=True, pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        except OSError as e:
+            self.proc = _fork_server().spawn({"cwd": cwd, "env": env, "config": config},
+                                             [theirs.fileno(), stderr_w], stderr_r)
+        except BaseException:
             ours.close()
-            raise base.SandboxError(f"cannot start the sandbox's supervisor: {e}") from e
+            os.close(stderr_r)
+            raise
         finally:
             theirs.close()
+            os.close(stderr_w)
         self._control = ours
         self._lock = threading.Lock()
         self.broken = ""
@@ -100,16 +106,13 @@ class Supervisor:
         self.broken = self.broken or "the sandbox's supervisor was stopped"
         with contextlib.suppress(OSError):
             self._control.shutdown(socket.SHUT_RDWR)
-        try:
-            self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if not self.proc.wait(STOP_TIMEOUT_S):
+            self.proc.kill_group()
+            self.proc.wait(None)
         if self._lock.acquire(timeout=STOP_TIMEOUT_S):  # no command is using the socket
             try:
                 self._control.close()
-                self.proc.stderr.close()
+                self.proc.release()
             finally:
                 self._lock.release()
 
@@ -198,19 +201,13 @@ class Supervisor:
     def _died(self) -> base.SandboxError:
         if self.broken:  # stopped on purpose
             return base.SandboxError(self.broken)
-        try:
-            _, stderr = self.proc.communicate(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            stderr = b""
-        reason = stderr.decode(errors="replace").strip()[-2000:]
-        return self._break(f"exited (code {self.proc.returncode})"
-                           + (f": {reason}" if reason else ""), kill=True)
+        reason = self.proc.stderr(STOP_TIMEOUT_S).decode(errors="replace").strip()[-2000:]
+        return self._break("exited" + (f": {reason}" if reason else ""), kill=True)
 
     def _break(self, what: str, kill: bool = False) -> base.SandboxError:
         self.broken = self.broken or f"the sandbox's supervisor {what}"
         if kill:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.kill_group()
         return base.SandboxError(self.broken)
 
 
@@ -251,3 +248,104 @@ class _Pipes:
 def _feed(pipe, data: bytes) -> None:
     with contextlib.suppress(BrokenPipeError, ValueError, OSError), pipe:
         pipe.write(data)
+
+
+class _Forked:
+    """A supervisor the fork server forked: its pid, a pidfd to wait on and signal it by,
+    and the read end of its stderr."""
+
+    def __init__(self, server: _ForkServer, pid: int, pidfd: int, stderr_r: int):
+        self.pid, self._server, self._pidfd, self._stderr = pid, server, pidfd, stderr_r
+
+    def wait(self, timeout: float | None) -> bool:
+        """Whether the supervisor exited within `timeout` seconds (None: however long)."""
+        if self._pidfd is None:  # released: it exited
+            return True
+        ready, _, _ = select.select([self._pidfd], [], [], timeout)
+        return bool(ready)
+
+    def kill_group(self) -> None:
+        """SIGKILLs the supervisor's process group (a session it leads: its pid is the
+        group's id, and stays unused by others until `release`)."""
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+
+    def stderr(self, timeout: float) -> bytes:
+        """What the supervisor wrote to stderr, read until end of file or `timeout`."""
+        data, deadline = bytearray(), time.monotonic() + timeout
+        while (remaining := deadline - time.monotonic()) > 0:
+            if not select.select([self._stderr], [], [], remaining)[0]:
+                break
+            chunk = os.read(self._stderr, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        return bytes(data)
+
+    def release(self) -> None:
+        """Once it exited: the fork server may reap it; our descriptors are closed."""
+        if self._pidfd is None:
+            return
+        self._server.reap(self.pid)
+        os.close(self._pidfd)
+        os.close(self._stderr)
+        self._pidfd = None
+
+
+class _ForkServer:
+    """A started `supervise.py SERVER_FD`: `spawn` supervisors, `reap` them."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", SCRIPT, str(theirs.fileno())], cwd="/", env={},
+                start_new_session=True, pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL)
+        except OSError as e:
+            ours.close()
+            raise base.SandboxError(f"cannot start the sandboxes' fork server: {e}") from e
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._lock = threading.Lock()
+        self.owner = os.getpid()
+
+    def alive(self) -> bool:
+        return self.owner == os.getpid() and self.proc.poll() is None
+
+    def spawn(self, request: dict, fds: list[int], stderr_r: int) -> _Forked:
+        payload = json.dumps(request).encode("utf-8", "surrogateescape")
+        with self._lock:
+            try:
+                socket.send_fds(self._sock, [struct.pack(">I", len(payload))], fds)
+                self._sock.sendall(payload)
+                reply, pidfds, _, _ = socket.recv_fds(self._sock, 4, 1)
+            except OSError as e:
+                raise base.SandboxError(f"the sandboxes' fork server failed: {e}") from None
+        if len(reply) < 4 or not pidfds:
+            for fd in pidfds:
+                os.close(fd)
+            raise base.SandboxError("the sandboxes' fork server could not fork a supervisor"
+                                    if len(reply) == 4 else "the sandboxes' fork server died")
+        return _Forked(self, struct.unpack(">I", reply)[0], pidfds[0], stderr_r)
+
+    def reap(self, pid: int) -> None:
+        payload = json.dumps({"reap": pid}).encode()
+        with self._lock, contextlib.suppress(OSError):
+            self._sock.sendall(struct.pack(">I", len(payload)) + payload)
+
+
+_server: _ForkServer | None = None
+_server_lock = threading.Lock()
+
+
+def _fork_server() -> _ForkServer:
+    """This process's fork server, started (again) where none runs."""
+    global _server
+    with _server_lock:
+        if _server is None or not _server.alive():
+            _server = _ForkServer()
+        return _server
