@@ -457,6 +457,27 @@ def test_local_supervisors_are_forked_by_one_fork_server_and_reaped():
     assert all(not running(pid) for pid in pids)
 
 
+def test_local_supervisor_stop_says_clean_only_after_its_own_clean_up(tmp_path):
+    """stop() is True only for a supervisor that exited by itself with code 0 (close()
+    then skips its scan of /proc for the uid's processes), not for a killed one."""
+    from env.sandbox.local import SAFE_PATH
+    from env.sandbox.supervisor import Supervisor
+
+    for victim in (None, "group", "server"):
+        root = tmp_path / str(victim)
+        root.mkdir()
+        sup = Supervisor(str(root), {"PATH": SAFE_PATH}, None, {}, isolate=str(root))
+        assert sup.run(["true"], 30).exit_code == 0
+        if victim == "group":
+            os.killpg(sup.proc.pid, signal.SIGKILL)
+        elif victim == "server":
+            with open(f"/proc/{sup.proc.pid}/task/{sup.proc.pid}/children") as f:
+                os.kill(int(f.read().split()[0]), signal.SIGKILL)
+        if victim:
+            assert sup.proc.wait(10)
+        assert sup.stop() is (victim is None), victim
+
+
 def test_local_supervisor_ends_with_its_owner(open_tmp):
     """A trainer killed while a command runs: the supervisor sees its control socket
     close, kills the command and exits; no process of the sandbox is left."""

@@ -42,6 +42,7 @@ import functools
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -151,12 +152,11 @@ class LocalSandbox(base.Sandbox):
             self.repo = os.path.join(self.root, "repo")
             self._env = self._make_env(env)
             if repo_files is not None:
-                self._init_from_files(repo_files)
+                self.base_commit = self._init_from_files(repo_files)
             else:
-                self._init_from_dir(repo_dir, base_commit)
+                self.base_commit = self._init_from_dir(repo_dir, base_commit)
             with open(os.path.join(self.repo, ".git", "info", "exclude"), "a") as f:
                 f.write(GIT_EXCLUDES)
-            self.base_commit = self._git_host("rev-parse", "HEAD").strip()
             if self._uid is not None:
                 self._check_traversable()
                 _chown_tree(self.root, self._uid)
@@ -178,16 +178,16 @@ class LocalSandbox(base.Sandbox):
         env.update(extra or {})
         return env
 
-    def _init_from_files(self, files: Mapping[str, str]) -> None:
+    def _init_from_files(self, files: Mapping[str, str]) -> str:
         os.makedirs(self.repo)
         for path, content in files.items():
             target = os.path.join(self.repo, repo_relative(path))
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "w", encoding="utf-8", newline="") as f:
                 f.write(content)
-        self._commit_all()
+        return self._commit_all()
 
-    def _init_from_dir(self, src: str, base_commit: str | None) -> None:
+    def _init_from_dir(self, src: str, base_commit: str | None) -> str:
         if not os.path.isdir(src):
             raise ValueError(f"repo_dir {src!r} is not a directory")
         is_git = subprocess.run(
@@ -198,27 +198,32 @@ class LocalSandbox(base.Sandbox):
             if base_commit is not None:
                 raise ValueError(f"base_commit given but repo_dir {src!r} is not a git repo")
             shutil.copytree(src, self.repo, symlinks=True)
-            self._commit_all()
-            return
-        self._git_host("-c", "safe.directory=*", "clone", "-q", "--no-hardlinks", "--no-checkout",
-                       os.path.abspath(src), self.repo, cwd=self.root)
+            return self._commit_all()
+        self._git_host(["-c", "safe.directory=*", "clone", "-q", "--no-hardlinks",
+                        "--no-checkout", os.path.abspath(src), self.repo], cwd=self.root)
         try:
-            self._git_host("checkout", "-q", "--detach", base_commit or "HEAD")
+            self._git_host(["checkout", "-q", "--detach", base_commit or "HEAD"])
         except base.SandboxError as e:
             raise ValueError(f"cannot check out {base_commit!r} of {src!r}: {e}") from None
+        return self._git_host(["rev-parse", "HEAD"]).strip()
 
-    def _commit_all(self) -> None:
-        self._git_host("init", "-q")
-        self._git_host("add", "-A")
-        self._git_host(*GIT_IDENTITY, "commit", "-q", "--allow-empty", "--no-verify",
-                       "--no-gpg-sign", "-m", "base")
+    def _commit_all(self) -> str:
+        """Commits the tree as the base of a new repository; returns the commit's id."""
+        return self._git_host(
+            ["init", "-q"], ["add", "-A"],
+            [*GIT_IDENTITY, "commit", "-q", "--allow-empty", "--no-verify", "--no-gpg-sign",
+             "-m", "base"],
+            ["rev-parse", "HEAD"]).strip()
 
-    def _git_host(self, *args: str, cwd: str | None = None) -> str:
-        """git as the calling user, for setup before any command ran in the sandbox."""
-        res = subprocess.run(["git", *args], cwd=cwd or self.repo, env=self._env,
+    def _git_host(self, *commands: list[str], cwd: str | None = None) -> str:
+        """git commands (argv after `git`) as the calling user, for setup before any
+        command ran in the sandbox; their stdout. One bash runs them all, stopping at the
+        first failure: one process started from this (large) one, not one per command."""
+        script = " && ".join(shlex.join(["git", *args]) for args in commands)
+        res = subprocess.run(["bash", "-c", script], cwd=cwd or self.repo, env=self._env,
                              capture_output=True, text=True, errors="replace")
         if res.returncode != 0:
-            raise base.SandboxError(f"git {' '.join(args)} failed: {res.stderr.strip()}")
+            raise base.SandboxError(f"{script} failed: {res.stderr.strip()}")
         return res.stdout
 
     def _check_traversable(self) -> None:
@@ -321,9 +326,10 @@ class LocalSandbox(base.Sandbox):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        if self._supervisor is not None:
-            self._supervisor.stop()
-        if self._uid is not None:
+        # An isolated supervisor that exited by itself ended its PID namespace, and every
+        # process of the uid with it: no scan of /proc for them is needed then.
+        ended = self._supervisor is None or (self._supervisor.stop() and self.isolated)
+        if self._uid is not None and not ended:
             kill_uid_processes(self._uid)
         _remove(self.root)
 
@@ -340,11 +346,12 @@ def _mount_quota(path: str, size: int) -> None:
 
 
 def _remove(path: str) -> None:
-    """Removes a sandbox directory, unmounting its tmpfs (a lazy unmount: a process still
-    holding a file in it does not keep the directory)."""
-    shutil.rmtree(path, ignore_errors=True)
+    """Removes a sandbox directory. Its tmpfs is unmounted (lazily: a process still
+    holding a file in it does not keep the directory), which frees what it holds at
+    once; what is left (no tmpfs) is removed file by file."""
     if os.path.ismount(path):
         ctypes.CDLL(None, use_errno=True).umount2(path.encode(), MNT_DETACH)
+    shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.rmdir(path)
 

@@ -10,7 +10,8 @@ Unix stream socket) is a 4-byte big-endian length and its JSON, `{"cwd", "env",
 and its stderr. The server answers with the supervisor's pid (4 bytes) and a pidfd of
 it, through which the host waits for it and signals it; the server reaps the
 supervisor only when the host sends `{"reap": pid}`, so the pid is not reused while
-the host may still signal its process group. End of file on SERVER_FD ends the server
+the host may still signal its process group, and answers with its exit code (4 bytes,
+signed: -N for signal N, -255 for no such child). End of file on SERVER_FD ends the server
 (its supervisors run on).
 
 A supervisor is a new session leader, in the repository root (`cwd`), with the
@@ -408,8 +409,11 @@ def _fork_server(listen):
             return
         request, fds = received
         if "reap" in request:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(request["reap"], 0)
+            try:
+                code = os.waitstatus_to_exitcode(os.waitpid(request["reap"], 0)[1])
+            except ChildProcessError:
+                code = -255
+            listen.sendall(struct.pack(">i", code))
             continue
         try:
             pid = os.fork()

@@ -100,21 +100,25 @@ class Supervisor:
         code, timed_out, _ = status.split()  # (processes left behind raised already)
         return Completed(int(code), timed_out == b"1", out, err)
 
-    def stop(self) -> None:
+    def stop(self) -> bool:
         """Ends the supervisor (it kills what runs, then exits); SIGKILL if it lingers.
-        Safe from any thread, also while a command runs (that one raises SandboxError)."""
+        Safe from any thread, also while a command runs (that one raises SandboxError).
+        True when it exited by itself with code 0, after its clean-up (isolated: after
+        its PID namespace ended, so no process of the sandbox is left)."""
         self.broken = self.broken or "the sandbox's supervisor was stopped"
         with contextlib.suppress(OSError):
             self._control.shutdown(socket.SHUT_RDWR)
-        if not self.proc.wait(STOP_TIMEOUT_S):
+        killed = not self.proc.wait(STOP_TIMEOUT_S)
+        if killed:
             self.proc.kill_group()
             self.proc.wait(None)
-        if self._lock.acquire(timeout=STOP_TIMEOUT_S):  # no command is using the socket
-            try:
-                self._control.close()
-                self.proc.release()
-            finally:
-                self._lock.release()
+        if not self._lock.acquire(timeout=STOP_TIMEOUT_S):  # a command uses the socket
+            return False
+        try:
+            self._control.close()
+            return self.proc.release() == 0 and not killed
+        finally:
+            self._lock.release()
 
     # -- protocol ---------------------------------------------------------------------
 
@@ -283,14 +287,16 @@ class _Forked:
             data += chunk
         return bytes(data)
 
-    def release(self) -> None:
-        """Once it exited: the fork server may reap it; our descriptors are closed."""
+    def release(self) -> int | None:
+        """Once it exited: has the fork server reap it and closes our descriptors; its
+        exit code (None if unknown: the server died, or it was released before)."""
         if self._pidfd is None:
-            return
-        self._server.reap(self.pid)
+            return None
+        code = self._server.reap(self.pid)
         os.close(self._pidfd)
         os.close(self._stderr)
         self._pidfd = None
+        return code
 
 
 class _ForkServer:
@@ -332,10 +338,27 @@ class _ForkServer:
                                     if len(reply) == 4 else "the sandboxes' fork server died")
         return _Forked(self, struct.unpack(">I", reply)[0], pidfds[0], stderr_r)
 
-    def reap(self, pid: int) -> None:
+    def reap(self, pid: int) -> int | None:
+        """Reaps an exited supervisor; its exit code (None if the server is gone)."""
         payload = json.dumps({"reap": pid}).encode()
-        with self._lock, contextlib.suppress(OSError):
-            self._sock.sendall(struct.pack(">I", len(payload)) + payload)
+        with self._lock:
+            try:
+                self._sock.sendall(struct.pack(">I", len(payload)) + payload)
+                reply = _exactly(self._sock, 4)
+            except OSError:
+                return None
+        return struct.unpack(">i", reply)[0] if reply is not None else None
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes | None:
+    """`size` bytes from sock, None if it closes first."""
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
 
 
 _server: _ForkServer | None = None
