@@ -1,17 +1,21 @@
 """The default's rollout phase on the embedded engine of an earlier commit and of this tree.
 
-    python -m bench.engine_rollout [--old 630a893 | --old DIR] [--rounds 3] [--warmup 1]
-        [--seed 0] [--ckpt WORKDIR] [--compilation_cache DIR]
+    python -m bench.engine_rollout [--old 630a893 | --old DIR] [--old-sandbox COMMIT|new]
+        [--rounds 3] [--warmup 1] [--seed 0] [--ckpt WORKDIR] [--compilation_cache DIR]
 
 Both engines serve the same model (the default config's tiny Qwen3, randomly
 initialised from --seed, so turns run to their token budget rather than a learned
 tool call; or, with --ckpt, the parameters and tokenizer of a run of the default, e.g.
 its SFT warm start, whose turns are the policy's short tool calls) with the default's
-engine options, to the same `Agent`, local sandboxes and
-jobs: one RL step's rollout phase, `batch_tasks` train tasks x `group_size` rollouts,
-as `train.py` collects it. The old engine's code is read from git (`git show
-<old>:inference/embedded.py`, its `sampling.py` and its `models/qwen3.py`, whose
-decode path and cache layout the engine uses) and imported beside this tree's.
+engine options, to the same `Agent` and jobs: one RL step's rollout phase,
+`batch_tasks` train tasks x `group_size` rollouts, as `train.py` collects it. The old
+engine's code is read from git (`git show <old>:inference/embedded.py`, its
+`sampling.py` and its `models/qwen3.py`, whose decode path and cache layout the engine
+uses) and imported beside this tree's. The old engine's rollouts run in the local
+sandboxes of --old-sandbox (default: the --old commit, so the old arm is the old
+code's whole rollout phase; its env/sandbox/local.py, supervise.py and supervisor.py
+imported as bench.env imports them), or in this tree's with `--old-sandbox new` (the
+engines alone compared).
 Each round runs the phase once per engine, the order alternating so machine load
 affects both alike; the first --warmup rounds compile and are left out of the steady
 figures (with train.py's compilation cache, a rerun compiles little for either engine).
@@ -38,6 +42,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from bench.env import old_local_factory
 from configs.common import load_config
 from inference.embedded import EmbeddedEngine, options_from_config
 from models import sharding
@@ -146,7 +151,10 @@ async def run(args) -> dict:
     engines = {"old": old_cls(old_model_weights(model, old_qwen3), seed=args.seed, **old_options),
                "new": EmbeddedEngine(weights, seed=args.seed, **options)}
     factory = setup.sandbox_factory(config.env)
-    agents = {name: Agent(engine, tokenizer, factory, RolloutConfig(**config.rollout),
+    old_sandbox = args.old_sandbox or ("new" if os.path.isdir(args.old) else args.old)
+    factories = {"old": factory if old_sandbox == "new" else old_local_factory(
+        old_sandbox, workdir), "new": factory}
+    agents = {name: Agent(engine, tokenizer, factories[name], RolloutConfig(**config.rollout),
                           max_concurrent_envs=config.env.max_concurrent,
                           tools_in_prompt=config.env.tools_in_prompt)
               for name, engine in engines.items()}
@@ -167,12 +175,16 @@ async def run(args) -> dict:
     tps = {name: float(np.mean([row[name]["tokens_per_s"] for row in steady]))
            for name in engines}
     old, new = tps["old"], tps["new"]
-    return {"old_commit": args.old, "checkpoint": args.ckpt or None,
+    errors = sum(row[name]["env_errors"] for row in rounds for name in row)
+    if errors:  # a phase whose episodes failed generated other tokens: no comparison
+        _log(f"{errors} rollouts ended in env_error; the speedup is not reported")
+    return {"old_commit": args.old, "old_sandbox": old_sandbox, "checkpoint": args.ckpt or None,
             "engine_options": options,
             "model_params": sum(x.size for x in jax.tree.leaves(weights[1])),
             "phase": f"{batch_tasks} tasks x {group_size} rollouts",
             "rounds": rounds, "steady_tokens_per_s": {k: round(v, 1) for k, v in tps.items()},
-            "speedup": round(new / old, 2), "cpus": os.cpu_count(),
+            "env_errors": errors, "speedup": None if errors else round(new / old, 2),
+            "cpus": os.cpu_count(),
             "load_average": [round(x, 2) for x in os.getloadavg()]}
 
 
@@ -181,6 +193,9 @@ def main(argv=None) -> dict:
     p.add_argument("--old", default="630a893",
                    help="the old engine: a commit, or a folder with its embedded.py, "
                         "sampling.py and qwen3.py")
+    p.add_argument("--old-sandbox", default="",
+                   help="the old arm's local sandboxes: a commit, or 'new' for this tree's "
+                        "(default: the --old commit; this tree's when --old is a folder)")
     p.add_argument("--rounds", type=int, default=3, help="phases per engine")
     p.add_argument("--warmup", type=int, default=1,
                    help="first rounds left out of the steady figures (they compile)")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import importlib
+import inspect
 import json
 import os
 import subprocess
@@ -91,7 +92,21 @@ def old_local_factory(old: str, root: str):
             f.write(src)
     sys.path.insert(0, root)
     cls = importlib.import_module("sandbox_old.local").LocalSandbox
+    if "errors" not in inspect.signature(cls.read_file).parameters:
+        cls = _with_read_errors(cls)
     return lambda task: cls(**sandbox_spec(task, "local"))
+
+
+def _with_read_errors(old_cls):
+    """A sandbox class that predates read_file's `errors` argument (it always decoded
+    with errors="replace"), taking it: the mini-SWE files are UTF-8, which any `errors`
+    reads alike."""
+
+    class LocalSandbox(old_cls):
+        def read_file(self, path: str, errors: str = "replace") -> str:
+            return old_cls.read_file(self, path)
+
+    return LocalSandbox
 
 
 def measure_local(tasks, levels: list[int], per_slot: int, old: str) -> dict:
