@@ -305,8 +305,9 @@ def _clean_up(cfg):
 
 
 def _receive(control, num_fds=3):
-    """(request, its file descriptors: a command's stdin, stdout and stderr) or None at
-    end of file."""
+    """(request, the file descriptors sent with it) or None at end of file: a command's
+    stdin, stdout and stderr, or (fork server) a new supervisor's control socket and
+    stderr."""
     header, fds, _, _ = socket.recv_fds(control, 4, num_fds)
     if not header:
         return None

@@ -123,10 +123,8 @@ class Supervisor:
     # -- protocol ---------------------------------------------------------------------
 
     def _send(self, request: dict, fds: list[int]) -> None:
-        payload = json.dumps(request).encode("utf-8", "surrogateescape")
         try:
-            socket.send_fds(self._control, [struct.pack(">I", len(payload))], fds)
-            self._control.sendall(payload)
+            _send_request(self._control, request, fds)
         except OSError as e:
             raise self._break(f"refused a command ({e})") from None
 
@@ -323,11 +321,9 @@ class _ForkServer:
         return self.owner == os.getpid() and self.proc.poll() is None
 
     def spawn(self, request: dict, fds: list[int], stderr_r: int) -> _Forked:
-        payload = json.dumps(request).encode("utf-8", "surrogateescape")
         with self._lock:
             try:
-                socket.send_fds(self._sock, [struct.pack(">I", len(payload))], fds)
-                self._sock.sendall(payload)
+                _send_request(self._sock, request, fds)
                 reply, pidfds, _, _ = socket.recv_fds(self._sock, 4, 1)
             except OSError as e:
                 raise base.SandboxError(f"the sandboxes' fork server failed: {e}") from None
@@ -340,14 +336,25 @@ class _ForkServer:
 
     def reap(self, pid: int) -> int | None:
         """Reaps an exited supervisor; its exit code (None if the server is gone)."""
-        payload = json.dumps({"reap": pid}).encode()
         with self._lock:
             try:
-                self._sock.sendall(struct.pack(">I", len(payload)) + payload)
+                _send_request(self._sock, {"reap": pid})
                 reply = _exactly(self._sock, 4)
             except OSError:
                 return None
         return struct.unpack(">i", reply)[0] if reply is not None else None
+
+
+def _send_request(sock: socket.socket, request: dict, fds: list[int] | tuple = ()) -> None:
+    """A request as supervise.py reads it: a 4-byte big-endian length, sent with `fds`
+    (SCM_RIGHTS), then the request's JSON."""
+    payload = json.dumps(request).encode("utf-8", "surrogateescape")
+    header = struct.pack(">I", len(payload))
+    if fds:
+        socket.send_fds(sock, [header], fds)
+    else:
+        sock.sendall(header)
+    sock.sendall(payload)
 
 
 def _exactly(sock: socket.socket, size: int) -> bytes | None:
