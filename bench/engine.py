@@ -4,7 +4,8 @@ All three run in one process on the same random Qwen3 in float32 (the `tiny` pre
 default; --hidden/--vocab/--layers change its shape): the JAX weights are exported
 with models.hf_io.save_hf and loaded by transformers. Each batch size generates
 exactly `new_tokens` greedy tokens after a `prompt_len`-token prompt; tokens/s counts
-generated tokens over the wall time of the whole call (prefill included), best of
+generated tokens over the wall time of the whole call (prefill included; the engine's
+calls come from one event loop, as a rollout's do, not a new loop per call), best of
 `repeats` runs after a warm-up (compilation excluded), the runs interleaved so machine
 load affects all alike. HF's `generate` is called without scores and the embedded
 engine's requests without log-probs (`return_logprob=False`, as greedy evaluation
@@ -48,12 +49,13 @@ def _log(*args):
     print(*args, file=sys.stderr, flush=True)
 
 
-def _jax_runner(engine: EmbeddedEngine, prompts: np.ndarray, new_tokens: int, logprobs: bool):
+def _jax_runner(engine: EmbeddedEngine, loop: asyncio.AbstractEventLoop, prompts: np.ndarray,
+                new_tokens: int, logprobs: bool):
     requests = [GenerateRequest(p.tolist(), new_tokens, temperature=0.0,
                                 return_logprob=logprobs) for p in prompts]
 
     def run():
-        results = asyncio.run(engine.generate(requests))
+        results = loop.run_until_complete(engine.generate(requests))
         return np.array([r.output_ids for r in results])
 
     return run
@@ -149,11 +151,13 @@ def main(argv=None) -> dict:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(
             hf_dir, dtype=torch.float32).eval()
     rng = np.random.default_rng(args.seed)
+    loop = asyncio.new_event_loop()  # one caller's loop for every call, as a rollout has
     rows = {}
     for batch in batch_sizes:
         prompts = rng.integers(0, cfg.vocab_size, (batch, args.prompt_len))
-        runners = {"embedded": _jax_runner(engine, prompts, args.new_tokens, False),
-                   "embedded_logprobs": _jax_runner(engine, prompts, args.new_tokens, True),
+        runners = {"embedded": _jax_runner(engine, loop, prompts, args.new_tokens, False),
+                   "embedded_logprobs": _jax_runner(engine, loop, prompts, args.new_tokens,
+                                                    True),
                    "hf": _hf_runner(hf_model, torch, prompts, args.new_tokens),
                    "matmul_bound": _bound_runner(model, batch, args.prompt_len,
                                                  args.new_tokens)}
@@ -182,6 +186,7 @@ def main(argv=None) -> dict:
             "greedy_token_agreement": round(min(agree, agree_logprobs), 3)}
         _log(f"batch {batch}: {rows[str(batch)]}")
     engine.close()
+    loop.close()
     result = {"model": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                         "num_layers": cfg.num_layers, "preset": args.preset},
               "dtype": cfg.dtype, "device": jax.devices()[0].platform,

@@ -207,7 +207,9 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
 
     def argmax_only():
         blocks = _blocks(logits, -jnp.inf)
-        tokens = _blocked_argmax(blocks, jnp.max(blocks, axis=-1))
+        # Materialised: otherwise XLA takes the rows' maxima in a second full pass over
+        # the logits rather than from the block maxima.
+        tokens = _blocked_argmax(blocks, jax.lax.optimization_barrier(jnp.max(blocks, axis=-1)))
         return tokens, jnp.full(tokens.shape, jnp.nan, jnp.float32)
 
     wanted = True if want_logp is None else jnp.any(want_logp)
