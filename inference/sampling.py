@@ -7,7 +7,8 @@ log-sum-exp, and draws no random numbers; sampled rows draw one uniform each and
 the CDF blockwise (block sums, then one block's cumulative sum) instead of drawing
 noise for every token, from the same pass of exp that gives their log-sum-exp;
 truncated rows (top-k / top-p) sample among the `candidates` largest logits whenever
-those hold the whole kept set, and fall back to a full sort only when they do not.
+those hold the whole kept set; past them, top-p alone finds its threshold by bisection
+(32 masked sums over the row), and only a top-k beyond the candidates sorts the row.
 
 A row's uniform is jax.random.uniform(fold_in(PRNGKey(seed), position)), bit for bit,
 computed by `uniform_at` with the Threefry-2x32 rounds unrolled: jax lowers Threefry
@@ -143,9 +144,44 @@ def _blocked_inverse_cdf(blocks, block_sum, u, vocab: int) -> jax.Array:
     return jnp.minimum(block * _BLOCK + index, vocab - 1).astype(jnp.int32)
 
 
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """uint32 keys of float32 x in the floats' order (-0.0 and +0.0 alike)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.uint32)
+    negative = bits >= jnp.uint32(0x80000000)
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def nucleus_mask(scaled: jax.Array, lse: jax.Array, top_p: jax.Array, below: jax.Array,
+                 passes: int = 32) -> jax.Array:
+    """truncation_mask with top-k off, without a sort: keep[B,V] of scaled[B,V] (lse[B]
+    their log-sum-exp), where a row keeps every token at least as likely as the least
+    likely one whose more likely tokens hold less than top_p of the mass (ties kept).
+
+    That token's logit is the smallest value v with mass(scaled > v) < top_p; the mass
+    of the tokens above a threshold falls as it rises, so v is found by bisection over
+    the floats' order, each pass one masked sum over the row, exactly after 32 passes
+    (the keys are 32 bits). below[B]: a logit no smaller than v (the top candidates'
+    last, whose mass falls short of top_p), the bisection's upper end."""
+    keys = _ordered_keys(scaled)
+    probs = jnp.exp(scaled - lse[:, None])
+    lo = jnp.min(keys, axis=-1) - jnp.uint32(1)  # mass above: 1 >= top_p
+    hi = _ordered_keys(below)  # mass above: < top_p
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // jnp.uint32(2)
+        short = jnp.sum(jnp.where(keys > mid[:, None], probs, 0.0), axis=-1) < top_p
+        return jnp.where(short, lo, mid), jnp.where(short, mid, hi)
+
+    _, hi = jax.lax.fori_loop(0, passes, halve, (lo, hi))
+    return keys >= hi[:, None]
+
+
 def _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates: int):
     """Top-k / top-p sampling; among the `candidates` largest logits when they hold the
-    kept set of every `truncated` row, else over the fully sorted vocabulary."""
+    kept set of every `truncated` row; else rows with top-k off bisect for their top-p
+    threshold over the vocabulary (`nucleus_mask`), and only a top-k larger than the
+    candidates (k < V) sorts the vocabulary."""
     vocab = scaled.shape[-1]
     values, index = jax.lax.top_k(scaled, min(candidates, vocab))
     c = values.shape[-1]
@@ -163,11 +199,17 @@ def _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates: int):
         pick = inverse_cdf(jnp.where(keep, probs, 0.0), u)
         return jnp.take_along_axis(index, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
+    def with_nucleus():  # the rows the candidates miss have top-k off
+        kept = nucleus_mask(scaled, lse, top_p, values[:, -1])
+        full = inverse_cdf(jnp.where(kept, jnp.exp(scaled - lse[:, None]), 0.0), u)
+        return jnp.where(covered, among_candidates(), full)
+
     def over_vocabulary():
         full = truncation_mask(scaled, top_p, top_k)
         return inverse_cdf(jnp.where(full, jnp.exp(scaled - lse[:, None]), 0.0), u)
 
-    return jax.lax.cond(jnp.all(covered), among_candidates, over_vocabulary)
+    branch = jnp.where(jnp.all(covered), 0, jnp.where(jnp.all(covered | (k >= vocab)), 1, 2))
+    return jax.lax.switch(branch, [among_candidates, with_nucleus, over_vocabulary])
 
 
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,

@@ -15,6 +15,7 @@ from inference.sampling import (
     first_argmax,
     greedy_tokens,
     inverse_cdf,
+    nucleus_mask,
     sample_tokens,
     truncation_mask,
     uniform_at,
@@ -384,6 +385,23 @@ def test_truncation_mask_matches_naive():
                                      jnp.asarray(top_k)))
     for i in range(40):
         np.testing.assert_array_equal(got[i], _naive_keep(logits[i], top_p[i], top_k[i]))
+
+
+def test_nucleus_mask_matches_naive_top_p():
+    """The bisection finds top-p's kept set exactly, ties included, with no sort."""
+    rng = np.random.default_rng(6)
+    logits = np.concatenate([rng.normal(size=(30, 700)) * 3,
+                             rng.integers(-3, 3, (10, 700))]).astype(np.float32)  # ties
+    logits[0, :5] = [-np.inf, 0.0, -0.0, 1e-30, -1e-30]
+    # (at top_p 0.999 the mass above one boundary token is 2.5e-7 from it, under float32
+    # summation error: the kept set is then a matter of rounding)
+    top_p = rng.choice([0.95, 0.9, 0.5, 0.05], 40).astype(np.float32)
+    lse = jax.nn.logsumexp(jnp.asarray(logits), axis=-1)
+    below = jnp.full(40, jnp.max(jnp.asarray(logits)))  # an upper end above every threshold
+    got = np.asarray(jax.jit(nucleus_mask)(jnp.asarray(logits), lse, jnp.asarray(top_p), below))
+    for i in range(40):
+        threshold = logits[i][_naive_keep(logits[i], top_p[i], -1)].min()
+        np.testing.assert_array_equal(got[i], logits[i] >= threshold)  # ties at it kept
 
 
 def test_argmax_and_inverse_cdf_match_numpy():
