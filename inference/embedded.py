@@ -331,8 +331,8 @@ def _prefill(graphdef, params, head, pool_k, pool_v, slots, tokens, positions, s
     return pool_k, pool_v, token, logp
 
 
-def _decode(graphdef, params, head, pool_k, pool_v, slots, token, pos, remaining, stop_ids, sampling,
-            min_finished, min_steps, *, window: int, steps: int):
+def _decode(graphdef, params, head, pool_k, pool_v, slots, token, pos, remaining, stop_ids,
+            sampling, min_finished, min_steps, *, window: int, steps: int):
     """Up to `steps` single-token steps of rows `slots`; stops early, after at least
     `min_steps` steps, once `min_finished` rows have finished (or at once when all have).
 
