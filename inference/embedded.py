@@ -492,7 +492,7 @@ class EmbeddedEngine(Engine):
             waiting = any(p is pending for p in self._waiting)
             self._waiting = [p for p in self._waiting if p is not pending]
         if waiting:
-            _deliver(pending.future, GenerateResult([], [], "abort"))
+            _deliver_all([(pending.future, GenerateResult([], [], "abort"))])
         return True
 
     async def update_weights(self, params_or_path) -> None:
@@ -769,11 +769,6 @@ class EmbeddedEngine(Engine):
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
         _deliver_all([(r.pending.future, error) for r in rows])
-
-
-def _deliver(future: asyncio.Future, result) -> None:
-    """Sets a caller's future from the scheduler thread (an exception fails it)."""
-    _deliver_all([(future, result)])
 
 
 def _deliver_all(results: list[tuple[asyncio.Future, Any]]) -> None:

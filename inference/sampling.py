@@ -151,10 +151,10 @@ def _ordered_keys(x: jax.Array) -> jax.Array:
     return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
 
 
-def nucleus_mask(scaled: jax.Array, lse: jax.Array, top_p: jax.Array, below: jax.Array,
+def nucleus_mask(scaled: jax.Array, probs: jax.Array, top_p: jax.Array, below: jax.Array,
                  passes: int = 32) -> jax.Array:
-    """truncation_mask with top-k off, without a sort: keep[B,V] of scaled[B,V] (lse[B]
-    their log-sum-exp), where a row keeps every token at least as likely as the least
+    """truncation_mask with top-k off, without a sort: keep[B,V] of scaled[B,V] (probs:
+    their softmax), where a row keeps every token at least as likely as the least
     likely one whose more likely tokens hold less than top_p of the mass (ties kept).
 
     That token's logit is the smallest value v with mass(scaled > v) < top_p; the mass
@@ -163,7 +163,6 @@ def nucleus_mask(scaled: jax.Array, lse: jax.Array, top_p: jax.Array, below: jax
     (the keys are 32 bits). below[B]: a logit no smaller than v (the top candidates'
     last, whose mass falls short of top_p), the bisection's upper end."""
     keys = _ordered_keys(scaled)
-    probs = jnp.exp(scaled - lse[:, None])
     lo = jnp.min(keys, axis=-1) - jnp.uint32(1)  # mass above: 1 >= top_p
     hi = _ordered_keys(below)  # mass above: < top_p
 
@@ -200,8 +199,9 @@ def _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates: int):
         return jnp.take_along_axis(index, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
     def with_nucleus():  # the rows the candidates miss have top-k off
-        kept = nucleus_mask(scaled, lse, top_p, values[:, -1])
-        full = inverse_cdf(jnp.where(kept, jnp.exp(scaled - lse[:, None]), 0.0), u)
+        softmax = jnp.exp(scaled - lse[:, None])
+        kept = nucleus_mask(scaled, softmax, top_p, values[:, -1])
+        full = inverse_cdf(jnp.where(kept, softmax, 0.0), u)
         return jnp.where(covered, among_candidates(), full)
 
     def over_vocabulary():

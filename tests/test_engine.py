@@ -396,9 +396,10 @@ def test_nucleus_mask_matches_naive_top_p():
     # (at top_p 0.999 the mass above one boundary token is 2.5e-7 from it, under float32
     # summation error: the kept set is then a matter of rounding)
     top_p = rng.choice([0.95, 0.9, 0.5, 0.05], 40).astype(np.float32)
-    lse = jax.nn.logsumexp(jnp.asarray(logits), axis=-1)
+    probs = jax.nn.softmax(jnp.asarray(logits), axis=-1)
     below = jnp.full(40, jnp.max(jnp.asarray(logits)))  # an upper end above every threshold
-    got = np.asarray(jax.jit(nucleus_mask)(jnp.asarray(logits), lse, jnp.asarray(top_p), below))
+    got = np.asarray(jax.jit(nucleus_mask)(jnp.asarray(logits), probs, jnp.asarray(top_p),
+                                           below))
     for i in range(40):
         threshold = logits[i][_naive_keep(logits[i], top_p[i], -1)].min()
         np.testing.assert_array_equal(got[i], logits[i] >= threshold)  # ties at it kept
