@@ -353,7 +353,7 @@ class ToolBox:
         """Writes the sandbox's real repository path as `repo_root`, so that outputs
         (tracebacks) read the same in every backend and every replay."""
         if self._real_root is None:
-            self._real_root = self.sandbox.run("pwd -P", timeout=10).output.strip()
+            self._real_root = self.sandbox.real_root()
         if self._real_root and self._real_root != self.repo_root:
             text = text.replace(self._real_root, self.repo_root)
         return text

@@ -25,7 +25,7 @@ import pytest
 from sandbox_backends import IMAGE, ROOT, ensure_image
 
 from env.episode import sandbox_factory
-from env.sandbox import SandboxError, make_sandbox
+from env.sandbox import SandboxError, fsread, make_sandbox
 from env.sandbox.local import LocalLimits, reap_stale, uid_processes
 from env.sandbox.pool import POOL_LABEL, SandboxPool, make_pool
 
@@ -145,6 +145,83 @@ def test_bad_input(make):
         with pytest.raises(ValueError):
             sb.write_file(path, "x")
     assert sb.run("echo still fine").output == "still fine\n"
+
+
+def test_read_file_agrees_with_cat(make):
+    """read_file against `cat` run in the sandbox, path by path: the local backend opens
+    most files from the host (env.sandbox.fsread), and must see what `cat` sees through
+    links, missing files, directories and the sandbox's own permission bits."""
+    sb = make(repo_files=FILES)
+    setup = ("mkdir -p d sealed && echo in > d/f && echo s > sealed/f && ln -s d/f rel && "
+             'ln -s "$PWD/d/f" abs && ln -s /etc/hostname out && ln -s ../../d/f up && '
+             "ln -s missing dangling && echo x > locked && chmod 000 locked sealed && "
+             "ln -s sealed/f via_sealed")
+    assert sb.run(setup).exit_code == 0
+    for path in ["calc.py", "d/f", "rel", "abs", "out", "up", "dangling", "missing", "d",
+                 "locked", "sealed/f", "via_sealed", "d/f/x", "calc.py/x"]:
+        ref = sb.run(f"cat -- {path} 2>&1")
+        if ref.exit_code == 0:
+            assert sb.read_file(path) == ref.output, path
+            continue
+        with pytest.raises(OSError) as failed:
+            sb.read_file(path)
+        if "No such file" in ref.output:
+            assert failed.type is FileNotFoundError, path
+        elif "Is a directory" in ref.output:
+            assert failed.type is IsADirectoryError, path
+        else:
+            assert ref.output.split(": ")[-1].strip() in str(failed.value), path
+    assert sb.real_root() == sb.run("pwd -P").output.strip()
+    assert sb.run("echo still fine").output == "still fine\n"
+
+
+def test_fresh_patch_is_git_s(make):
+    """A sandbox's patch before any command (the local backend answers it without git)
+    is what git says of the fresh tree, also with files git would ignore or convert."""
+    files = {**FILES, ".gitignore": "*.log\n", "build.log": "x\n", "crlf.txt": "a\r\nb\r\n",
+             ".gitattributes": "*.txt text=auto\n"}
+    sb = make(repo_files=files)
+    assert sb.patch() == ""
+    base = sb.base_commit if hasattr(sb, "base_commit") else "HEAD"
+    assert sb.run(f"git add -A 2>/dev/null && git diff --cached --binary {base}").output == ""
+    sb.write_file("new.txt", "n\n")
+    assert "new.txt" in sb.patch()
+
+
+def test_host_reads_only_what_the_sandbox_uid_may(tmp_path):
+    """fsread.read_beneath decides a plain file, a missing one and a directory, and leaves
+    to `cat` (None) what only the sandbox can say: links out of the tree, a FIFO (at once,
+    not blocking), and, run as root, a file whose bits deny the sandbox's uid, which
+    root's own rights would have read."""
+    uid = 1_234_567_890 if os.geteuid() == 0 else None
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f").write_text("in\n")
+    (tmp_path / "mine").write_text("x")
+    (tmp_path / "theirs").write_text("secret")
+    os.mkfifo(tmp_path / "pipe")
+    os.symlink("d/f", tmp_path / "rel")
+    os.symlink("/etc/hostname", tmp_path / "out")
+    os.symlink(str(tmp_path / "d" / "f"), tmp_path / "abs")
+    if uid is not None:
+        for p in [tmp_path, *tmp_path.rglob("*")]:
+            os.lchown(p, uid, uid)
+        os.chown(tmp_path / "theirs", uid + 1, uid + 1)
+        os.chmod(tmp_path / "theirs", 0o600)
+    root = str(tmp_path)
+    assert fsread.read_beneath(root, "d/f", uid) == b"in\n"
+    assert fsread.read_beneath(root, "rel", uid) == b"in\n"
+    for undecided in ["out", "abs", "pipe", "mine/x"]:
+        assert fsread.read_beneath(root, undecided, uid) is None, undecided
+    with pytest.raises(FileNotFoundError):
+        fsread.read_beneath(root, "missing", uid)
+    with pytest.raises(IsADirectoryError):
+        fsread.read_beneath(root, "d", uid)
+    if uid is not None:
+        assert fsread.read_beneath(root, "theirs", uid) is None
+        assert fsread.read_beneath(root, "theirs", None) == b"secret"  # root's own rights
+        with open("/proc/thread-self/status") as f:  # Uid: real, effective, saved, fs
+            uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
+        assert uids == ["0"] * 4  # this thread's filesystem uid is back to root
 
 
 def test_timeout_kills_and_sandbox_survives(make):

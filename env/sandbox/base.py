@@ -70,6 +70,10 @@ class Sandbox(abc.ABC):
     def apply_patch(self, patch: str) -> None:
         """Applies a patch produced by `patch()`; raises ValueError if it does not apply."""
 
+    def real_root(self) -> str:
+        """The repository root's path with every link resolved, as its commands see it."""
+        return self.run("pwd -P", timeout=10).output.strip()
+
     @abc.abstractmethod
     def close(self) -> None:
         """Releases every resource (processes, containers, files). Idempotent."""
