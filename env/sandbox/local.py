@@ -28,6 +28,11 @@ address-space limit is per process); use the docker backend where that matters.
 After every command, processes it left in the background are killed: each call of
 `run` is self-contained, so an episode never leaks processes between steps.
 
+`read_file` opens a regular file from the host, beneath the repository and with the
+sandbox uid's permissions (env.sandbox.fsread), and runs `cat` under the supervisor only
+where that could see something else (a link out of the repository, a denied
+permission, a FIFO): most reads cost no command.
+
 A sandbox directory records its owner (pid and process start time) in `.owner`;
 `reap_stale` removes the directories of owners that no longer run, which a killed
 trainer leaves behind (`close` never ran).
