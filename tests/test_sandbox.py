@@ -26,7 +26,7 @@ from sandbox_backends import IMAGE, ROOT, ensure_image
 
 from env.episode import sandbox_factory
 from env.sandbox import SandboxError, fsread, make_sandbox
-from env.sandbox.local import LocalLimits, reap_stale, uid_processes
+from env.sandbox.local import LocalLimits, LocalSandbox, reap_stale, uid_processes
 from env.sandbox.pool import POOL_LABEL, SandboxPool, make_pool
 
 FILES = {
@@ -173,6 +173,12 @@ def test_read_file_agrees_with_cat(make):
             assert ref.output.split(": ")[-1].strip() in str(failed.value), path
     assert sb.real_root() == sb.run("pwd -P").output.strip()
     assert sb.run("echo still fine").output == "still fine\n"
+    if isinstance(sb, LocalSandbox):  # the repository moved away, a link to /etc in its place
+        assert sb.run("cd .. && mv repo moved && ln -s /etc repo").exit_code == 0
+        assert "No such file" in sb.run("cat -- hostname 2>&1").output
+        with pytest.raises(FileNotFoundError):
+            sb.read_file("hostname")
+        assert sb.read_file("calc.py") == FILES["calc.py"]
 
 
 def test_fresh_patch_is_git_s(make):
@@ -207,7 +213,7 @@ def test_host_reads_only_what_the_sandbox_uid_may(tmp_path):
             os.lchown(p, uid, uid)
         os.chown(tmp_path / "theirs", uid + 1, uid + 1)
         os.chmod(tmp_path / "theirs", 0o600)
-    root = str(tmp_path)
+    root = fsread.open_root(str(tmp_path))
     assert fsread.read_beneath(root, "d/f", uid) == b"in\n"
     assert fsread.read_beneath(root, "rel", uid) == b"in\n"
     for undecided in ["out", "abs", "pipe", "mine/x"]:
@@ -222,6 +228,7 @@ def test_host_reads_only_what_the_sandbox_uid_may(tmp_path):
         with open("/proc/thread-self/status") as f:  # Uid: real, effective, saved, fs
             uids = next(line for line in f if line.startswith("Uid:")).split()[1:]
         assert uids == ["0"] * 4  # this thread's filesystem uid is back to root
+    os.close(root)
 
 
 def test_timeout_kills_and_sandbox_survives(make):

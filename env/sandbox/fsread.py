@@ -6,9 +6,10 @@ are of plain files under the repository, which the host can open directly as lon
 it sees exactly what `cat` would:
 
 - The path is resolved by openat2 with RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS below the
-  repository's directory: a `..` or a symbolic link that leads out of it (which `cat`
-  would follow, into the host's read-only tree) is refused by the kernel, and the
-  caller falls back to `cat`.
+  repository's directory, held open since before any command ran (the directory the
+  commands run in, even if one renamed it or put a link in its place): a `..` or a
+  symbolic link that leads out of it (which `cat` would follow, into the host's
+  read-only tree) is refused by the kernel, and the caller falls back to `cat`.
 - The open runs with the sandbox's uid and gid as this thread's filesystem ids
   (setfsuid/setfsgid are per thread; leaving uid 0 drops the capabilities that bypass
   file modes, and returning to it restores them): the kernel checks every directory's
@@ -30,7 +31,8 @@ import errno
 import os
 import stat
 
-# openat2(2): the syscall's number is the same on every architecture (added in 5.6).
+# openat2(2), Linux 5.6: the same number in every architecture's table but alpha's (where
+# it fails, or any kernel lacks it, reads go to `cat`).
 SYS_OPENAT2 = 437
 RESOLVE_NO_MAGICLINKS, RESOLVE_BENEATH = 0x02, 0x08
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -71,23 +73,22 @@ def _filesystem_ids(uid: int | None):
         _libc.setfsgid(previous_gid)
 
 
-def read_beneath(root: str, path: str, uid: int | None) -> bytes | None:
-    """The bytes of regular file `path` (relative, normalised) below `root`, opened as
-    `uid` (None: as this process); None where `cat` in the sandbox must decide."""
+def open_root(path: str) -> int:
+    """A descriptor of directory `path` to read beneath (O_PATH: it grants no access)."""
+    return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def read_beneath(root_fd: int, path: str, uid: int | None) -> bytes | None:
+    """The bytes of regular file `path` (relative, normalised) below the directory
+    `root_fd` (open_root), opened as `uid` (None: as this process); None where `cat` in
+    the sandbox must decide."""
     try:
-        dirfd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError:
+        with _filesystem_ids(uid):
+            fd = _openat2(root_fd, path)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from None
         return None
-    try:
-        try:
-            with _filesystem_ids(uid):
-                fd = _openat2(dirfd, path)
-        except OSError as e:
-            if e.errno == errno.ENOENT:
-                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path) from None
-            return None
-    finally:
-        os.close(dirfd)
     with os.fdopen(fd, "rb") as f:
         mode = os.fstat(f.fileno()).st_mode
         if stat.S_ISDIR(mode):

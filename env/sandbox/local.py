@@ -143,6 +143,7 @@ class LocalSandbox(base.Sandbox):
         self._lock = threading.Lock()
         # The supervisor while a command runs (its process group holds the command's).
         self._running: set = set()
+        self._repo_fd: int | None = None
         self._closed = False
         # The tree is the base commit it was made as (_commit_all) until a command runs or
         # a file is written: its patch is empty.
@@ -166,6 +167,11 @@ class LocalSandbox(base.Sandbox):
             os.makedirs(os.path.join(self.repo, ".git", "info"), exist_ok=True)
             with open(os.path.join(self.repo, ".git", "info", "exclude"), "a") as f:
                 f.write(GIT_EXCLUDES)
+            # The directory commands run in, as it was before any ran (a command may
+            # rename it): where read_file reads, and its path with links resolved (the
+            # same inside the supervisor's namespaces: a bind mount onto itself).
+            self._repo_fd = fsread.open_root(self.repo)
+            self._real_root = os.path.realpath(self.repo)
             if self._uid is not None:
                 self._check_traversable()
                 _chown_tree(self.root, self._uid)
@@ -294,12 +300,13 @@ class LocalSandbox(base.Sandbox):
         """The file's text: opened from here where that sees what `cat` in the sandbox
         sees (env.sandbox.fsread), else read by `cat`."""
         path = repo_relative(path)
-        if self._closed:
-            raise base.SandboxError("sandbox is closed")
         if self._supervisor.broken:
             raise base.SandboxError(self._supervisor.broken)
         try:
-            data = fsread.read_beneath(self.repo, path, self._uid)
+            with self._lock:  # close() closes the descriptor under the lock
+                if self._closed:
+                    raise base.SandboxError("sandbox is closed")
+                data = fsread.read_beneath(self._repo_fd, path, self._uid)
             if data is None:
                 data = self._checked(["cat", "--", path], f"reading {path}")
         except FileNotFoundError:
@@ -311,8 +318,7 @@ class LocalSandbox(base.Sandbox):
         return data.decode("utf-8", errors=errors)
 
     def real_root(self) -> str:
-        # Commands run in the same directory, bind-mounted onto itself when isolated.
-        return os.path.realpath(self.repo)
+        return self._real_root
 
     def write_file(self, path: str, content: str) -> None:
         path = repo_relative(path)
@@ -360,6 +366,9 @@ class LocalSandbox(base.Sandbox):
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            if self._repo_fd is not None:  # before the unmount: it would hold the tmpfs
+                os.close(self._repo_fd)
+                self._repo_fd = None
         # An isolated supervisor that exited by itself ended its PID namespace, and every
         # process of the uid with it: no scan of /proc for them is needed then.
         ended = self._supervisor is None or (self._supervisor.stop() and self.isolated)
