@@ -300,12 +300,12 @@ class LocalSandbox(base.Sandbox):
         """The file's text: opened from here where that sees what `cat` in the sandbox
         sees (env.sandbox.fsread), else read by `cat`."""
         path = repo_relative(path)
-        if self._supervisor.broken:
-            raise base.SandboxError(self._supervisor.broken)
         try:
             with self._lock:  # close() closes the descriptor under the lock
-                if self._closed:
+                if self._closed:  # the checks a command makes first, in its order
                     raise base.SandboxError("sandbox is closed")
+                if self._supervisor.broken:
+                    raise base.SandboxError(self._supervisor.broken)
                 data = fsread.read_beneath(self._repo_fd, path, self._uid)
             if data is None:
                 data = self._checked(["cat", "--", path], f"reading {path}")
