@@ -194,6 +194,30 @@ def test_fresh_patch_is_git_s(make):
     assert "new.txt" in sb.patch()
 
 
+def test_same_files_again_reuse_the_base_repository():
+    """A second local sandbox of the same files gets the first one's `.git` written from
+    memory, no git run: the same base commit, a repository git finds sound and clean,
+    patches equal to those of a repository git made, and a history of its own."""
+    files = {**FILES, "data/crlf.txt": "a\r\nb\r\n", ".gitattributes": "*.txt text=auto\n",
+             "nonce.txt": secrets.token_hex(8)}
+    first = LocalSandbox(repo_files=files, allow_unisolated=True)
+    again = LocalSandbox(repo_files=files, allow_unisolated=True)
+    other = LocalSandbox(repo_files={**files, "nonce.txt": "other"}, allow_unisolated=True)
+    try:
+        assert again.base_commit == first.base_commit != other.base_commit
+        check = "git fsck --full --strict 2>&1 && git status --porcelain && git log --format=%H"
+        for sb in (first, again):
+            assert sb.run(check).output == first.base_commit + "\n"
+            sb.write_file("calc.py", "def add(a, b):\n    return a + b\n")
+            sb.run("rm data/crlf.txt && echo new > new.txt")
+        assert again.patch() == first.patch() != ""
+        again.run("git add -A && git -c user.name=a -c user.email=a@b commit -qm x")
+        assert first.run("git rev-parse HEAD").output.strip() == first.base_commit
+    finally:
+        for sb in (first, again, other):
+            sb.close()
+
+
 def test_host_reads_only_what_the_sandbox_uid_may(tmp_path):
     """fsread.read_beneath decides a plain file, a missing one and a directory, and leaves
     to `cat` (None) what only the sandbox can say: links out of the tree, a FIFO (at once,

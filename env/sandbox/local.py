@@ -33,6 +33,10 @@ sandbox uid's permissions (env.sandbox.fsread), and runs `cat` under the supervi
 where that could see something else (a link out of the repository, a denied
 permission, a FIFO): most reads cost no command.
 
+A repository made from files is committed by git once per set of files: later sandboxes
+of the same files get its `.git` written from memory (`_BaseRepos`), the same base
+commit.
+
 A sandbox directory records its owner (pid and process start time) in `.owner`;
 `reap_stale` removes the directories of owners that no longer run, which a killed
 trainer leaves behind (`close` never ran).
@@ -43,7 +47,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import collections
 import functools
+import hashlib
 import json
 import os
 import secrets
@@ -200,7 +206,13 @@ class LocalSandbox(base.Sandbox):
             os.makedirs(os.path.dirname(target), exist_ok=True)
             with open(target, "w", encoding="utf-8", newline="") as f:
                 f.write(content)
-        return self._commit_all()
+        key = _BASE_REPOS.key(files, os.path.dirname(self.root), os.path.ismount(self.root))
+        commit = _BASE_REPOS.restore(key, self.repo)
+        if commit is None:
+            commit = self._commit_all()
+            _BASE_REPOS.keep(key, self.repo, commit)
+        self._pristine = True
+        return commit
 
     def _init_from_dir(self, src: str, base_commit: str | None) -> str:
         if not os.path.isdir(src):
@@ -397,6 +409,66 @@ def _remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.rmdir(path)
+
+
+class _BaseRepos:
+    """The `.git` directories of repositories made from files, in memory (least recently
+    used first out): a sandbox made again from the same files, on the same kind of
+    directory, writes these bytes instead of running git init, add and commit (half of
+    a sandbox's start). Its base commit is then the first one's, to the byte."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._kept: collections.OrderedDict[bytes, tuple] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(files: Mapping[str, str], parent: str, own_mount: bool) -> bytes:
+        digest = hashlib.sha256(f"{parent}\0{own_mount}".encode())
+        for path, content in files.items():
+            for part in (path, content):
+                data = part.encode("utf-8", "surrogatepass")
+                digest.update(len(data).to_bytes(8, "little") + data)
+        return digest.digest()
+
+    def keep(self, key: bytes, repo: str, commit: str) -> None:
+        git = os.path.join(repo, ".git")
+        dirs, files = [], []
+        for dirpath, dirnames, filenames in os.walk(git):
+            rel = os.path.relpath(dirpath, git)
+            dirs += [os.path.normpath(os.path.join(rel, d)) for d in sorted(dirnames)]
+            for name in filenames:
+                path = os.path.join(dirpath, name)
+                with open(path, "rb") as f:
+                    files.append((os.path.normpath(os.path.join(rel, name)), f.read(),
+                                  os.stat(path).st_mode & 0o7777))
+        with self._lock:
+            self._kept[key] = (commit, dirs, files)
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.size:
+                self._kept.popitem(last=False)
+
+    def restore(self, key: bytes, repo: str) -> str | None:
+        """Writes the kept `.git` into `repo`; its commit, or None when none is kept."""
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None:
+                self._kept.move_to_end(key)
+        if kept is None:
+            return None
+        commit, dirs, files = kept
+        git = os.path.join(repo, ".git")
+        os.mkdir(git)
+        for rel in dirs:
+            os.mkdir(os.path.join(git, rel))
+        for rel, data, mode in files:
+            fd = os.open(os.path.join(git, rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+            with open(fd, "wb") as f:
+                f.write(data)
+        return commit
+
+
+_BASE_REPOS = _BaseRepos(size=1024)
 
 
 class IsolationUnavailable(RuntimeError):
