@@ -181,6 +181,54 @@ def test_read_file_agrees_with_cat(make):
         assert sb.read_file("calc.py") == FILES["calc.py"]
 
 
+WRITE_SETUP = ("mkdir -p d sealed && echo in > d/f && echo s > sealed/f && ln -s d/f rel && "
+               'ln -s "$PWD/d/f" abs && ln -s /etc/hostname out && ln -s missing dangling && '
+               "ln -s ../../x up && echo x > locked && echo r > ro && chmod 000 locked sealed && "
+               "chmod 444 ro")
+WRITE_PATHS = ["calc.py", "new.txt", "d/new.txt", "deep/er/x.txt", "rel", "abs", "out", "up",
+               "dangling", "locked", "ro", "sealed/f", "d", "calc.py/x"]
+# Every entry but .git: path, type, mode, size, link target, whether the command's uid owns it.
+LISTING = ("find . -path ./.git -prune -o -printf '%p %y %m %s %l ' -exec sh -c "
+           "'[ \"$(stat -c %u \"$1\")\" = \"$(id -u)\" ] && echo own || echo other' _ {} \\;")
+
+
+def test_write_file_agrees_with_the_shell(monkeypatch):
+    """write_file from the host (env.sandbox.fsread) against the same sandbox writing by
+    `cat` under its supervisor, path by path: the same trees (contents, modes, owners,
+    links) and the same errors, through links in and out of the tree, missing
+    directories, and modes that deny the sandbox's uid."""
+    written, real = [], fsread.write_beneath
+
+    def outcomes(host_writes: bool):
+        def spy(root_fd, path, data, uid):
+            done = host_writes and real(root_fd, path, data, uid)
+            written.extend([path] if done else [])
+            return done
+        monkeypatch.setattr(fsread, "write_beneath", spy)
+        sb = LocalSandbox(repo_files=FILES, allow_unisolated=True)
+        try:
+            assert sb.run(WRITE_SETUP).exit_code == 0
+            results = {}
+            for path in WRITE_PATHS:
+                try:
+                    sb.write_file(path, f"written {path} ☃\n")
+                    results[path] = "ok"
+                except (OSError, ValueError) as e:
+                    results[path] = f"{type(e).__name__}: {e}".replace(sb.root, "<root>")
+            sb.run("chmod 755 sealed && chmod 644 locked")
+            tree = sb.run(LISTING + " && find . -path ./.git -prune -o -type f -print0 "
+                          "| sort -z | xargs -0 sha256sum").output
+            return results, sorted(tree.replace(sb.root, "<root>").splitlines())
+        finally:
+            sb.close()
+            monkeypatch.undo()
+
+    host, shell = outcomes(True), outcomes(False)
+    assert host == shell
+    assert written == ["calc.py", "new.txt", "d/new.txt", "rel", "dangling"]
+    assert host[0]["calc.py"] == "ok" and host[0]["out"] != "ok" and host[0]["locked"] != "ok"
+
+
 def test_fresh_patch_is_git_s(make):
     """A sandbox's patch before any command (the local backend answers it without git)
     is what git says of the fresh tree, also with files git would ignore or convert."""

@@ -1,4 +1,5 @@
-"""Reading a sandbox's regular file from the host, with the sandbox uid's permissions.
+"""Reading and writing a sandbox's regular files from the host, with the sandbox uid's
+permissions.
 
 A file read through the sandbox's supervisor (`cat` as the sandbox's uid) costs a
 command: a fork, an exec and the namespace's clean-up, about 5 ms of CPU. Most reads
@@ -21,6 +22,10 @@ it sees exactly what `cat` would:
 `cat` would fail so, and returns None for everything else (a refused resolution, a
 denied permission, not a regular file, no openat2): `cat` then runs, and its error is
 the one the caller reports, word for word.
+
+`write_beneath` is the same for `cat > path`: it opens (creating or truncating) with
+the same resolution and ids, writes only to a regular file, and returns False, for the
+shell to write or fail, where anything else would happen.
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ class _OpenHow(ctypes.Structure):
                 ("resolve", ctypes.c_uint64)]
 
 
-def _openat2(dirfd: int, path: str) -> int:
-    how = _OpenHow(os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, 0,
+def _openat2(dirfd: int, path: str, flags: int = os.O_RDONLY, mode: int = 0) -> int:
+    how = _OpenHow(flags | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC, mode,
                    RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)
     fd = _libc.syscall(ctypes.c_long(SYS_OPENAT2), ctypes.c_int(dirfd),
                        ctypes.c_char_p(os.fsencode(path)), ctypes.byref(how),
@@ -96,3 +101,27 @@ def read_beneath(root_fd: int, path: str, uid: int | None) -> bytes | None:
         if not stat.S_ISREG(mode):
             return None
         return f.read()
+
+
+def write_beneath(root_fd: int, path: str, data: bytes, uid: int | None) -> bool:
+    """Writes `data` to `path` below `root_fd` as `uid` would with `cat > path`: creates
+    it (mode 0666 less the umask, owned by uid) or truncates it. True when written; False
+    where the shell must decide (a missing directory, a link out of the tree, a denied
+    permission, not a regular file, a full disk: the shell then writes, or fails with its
+    own words)."""
+    try:
+        with _filesystem_ids(uid):
+            fd = _openat2(root_fd, path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True

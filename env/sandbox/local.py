@@ -28,10 +28,10 @@ address-space limit is per process); use the docker backend where that matters.
 After every command, processes it left in the background are killed: each call of
 `run` is self-contained, so an episode never leaks processes between steps.
 
-`read_file` opens a regular file from the host, beneath the repository and with the
-sandbox uid's permissions (env.sandbox.fsread), and runs `cat` under the supervisor only
-where that could see something else (a link out of the repository, a denied
-permission, a FIFO): most reads cost no command.
+`read_file` and `write_file` open a regular file from the host, beneath the repository
+and with the sandbox uid's permissions (env.sandbox.fsread), and run `cat` under the
+supervisor only where that could see something else (a link out of the repository, a
+denied permission, a FIFO, a missing directory): most reads and writes cost no command.
 
 A repository made from files is committed by git once per set of files: later sandboxes
 of the same files get its `.git` written from memory (`_BaseRepos`), the same base
@@ -333,12 +333,23 @@ class LocalSandbox(base.Sandbox):
         return self._real_root
 
     def write_file(self, path: str, content: str) -> None:
+        """Writes from here where fsread.write_beneath can (the file's directory exists,
+        within the repository), else by `cat` as the sandbox's uid."""
         path = repo_relative(path)
         self._pristine = False
+        data = content.encode("utf-8")
+        limit = self.limits.file_size_bytes
+        with self._lock:
+            if self._closed:
+                raise base.SandboxError("sandbox is closed")
+            if self._supervisor.broken:
+                raise base.SandboxError(self._supervisor.broken)
+            if (limit is None or len(data) <= limit) and fsread.write_beneath(
+                    self._repo_fd, path, data, self._uid):
+                return
         script = shell.RESOLVE_IN_REPO + 'mkdir -p -- "$(dirname -- "$t")" && cat > "$t"'
         try:
-            self._checked(["bash", "-c", script, "write", path], f"writing {path}",
-                          stdin=content.encode("utf-8"))
+            self._checked(["bash", "-c", script, "write", path], f"writing {path}", stdin=data)
         except _FailedCommand as e:
             if e.code == 3:
                 raise shell.outside_repo_error(path, e.stderr) from None
