@@ -44,10 +44,10 @@ trainer leaves behind (`close` never ran).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import dataclasses
-import collections
 import functools
 import hashlib
 import json
