@@ -15,7 +15,8 @@ uses) and imported beside this tree's. The old engine's rollouts run in the loca
 sandboxes of --old-sandbox (default: the --old commit, so the old arm is the old
 code's whole rollout phase; its env/sandbox/local.py, supervise.py and supervisor.py
 imported as bench.env imports them), or in this tree's with `--old-sandbox new` (the
-engines alone compared).
+engines alone compared). Both arms run this tree's Agent, tools and grading, the old
+arm without the grade cache (rollout.grade_cache=False), which the old commit lacks.
 Each round runs the phase once per engine, the order alternating so machine load
 affects both alike; the first --warmup rounds compile and are left out of the steady
 figures (with train.py's compilation cache, a rerun compiles little for either engine).
@@ -117,6 +118,7 @@ async def rollout_phase(agent: Agent, jobs, group_size: int) -> dict:
     return {"rollout_s": round(wall, 2), "generated_tokens": tokens,
             "tokens_per_s": round(tokens / wall, 1),
             "env_errors": int(m["rollout/env_errors"]),
+            "grades_cached": int(m["rollout/grades_cached"]),
             "first_env_error": next((t.error for t in trajs if t.is_env_error), None),
             "env_share": round(m["time/env_s_sum"] / max(
                 m["time/env_s_sum"] + m["time/generate_s_sum"], 1e-9), 3)}
@@ -154,7 +156,10 @@ async def run(args) -> dict:
     old_sandbox = args.old_sandbox or ("new" if os.path.isdir(args.old) else args.old)
     factories = {"old": factory if old_sandbox == "new" else old_local_factory(
         old_sandbox, workdir), "new": factory}
-    agents = {name: Agent(engine, tokenizer, factories[name], RolloutConfig(**config.rollout),
+    # The old commit graded every episode; this tree grades a patch once (GradeCache).
+    rollout_cfgs = {"old": RolloutConfig(**{**config.rollout, "grade_cache": False}),
+                    "new": RolloutConfig(**config.rollout)}
+    agents = {name: Agent(engine, tokenizer, factories[name], rollout_cfgs[name],
                           max_concurrent_envs=config.env.max_concurrent,
                           tools_in_prompt=config.env.tools_in_prompt)
               for name, engine in engines.items()}

@@ -19,7 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from env.grading import grade
+from env.grading import GradeCache, grade
 from env.sandbox import make_sandbox
 from env.sandbox.base import Sandbox, SandboxError
 from env.tasks import Task
@@ -114,12 +114,17 @@ class Episode:
 
     status: "running", then one of "finished" (finish called), "max_steps",
     "env_error" (the sandbox failed; `error` says how; reward is None).
+    grades: a GradeCache shared by the episodes of a run (None: every episode runs its
+    tests); `grade_cached` says whether the reward came from it.
     """
 
     def __init__(self, sandbox_factory: SandboxFactory | Sandbox, task: Task | None = None, *,
                  max_steps: int = 30, test_timeout: float = 300.0,
-                 prompt_template: str = "{problem_statement}", **tool_kwargs: Any):
+                 prompt_template: str = "{problem_statement}",
+                 grades: GradeCache | None = None, **tool_kwargs: Any):
         self._factory = sandbox_factory
+        self.grades = grades
+        self.grade_cached = False
         self.task = task
         self.max_steps = max_steps
         self.test_timeout = test_timeout
@@ -143,7 +148,7 @@ class Episode:
         if self.task is None:
             raise ValueError("Episode.reset needs a task")
         self.steps, self.status, self.error, self.test_output = [], "running", "", ""
-        self._reward, self._graded = None, False
+        self._reward, self._graded, self.grade_cached = None, False, False
         if isinstance(self._factory, Sandbox):
             self.sandbox, self._factory = self._factory, None
         elif self._factory is None:
@@ -217,7 +222,7 @@ class Episode:
             if self.sandbox is None:
                 raise RuntimeError("reward() needs an open sandbox (before close())")
             try:
-                result = grade(self.task, self.sandbox, self.test_timeout)
+                result = self._grade()
                 self._reward, self.test_output = result.reward, result.output
                 if result.error:  # the tests never ran: no task outcome
                     self.status, self.error = "env_error", result.error
@@ -225,6 +230,17 @@ class Episode:
                 self._fail(e)
             self._graded = True
         return None if self.status == "env_error" else self._reward
+
+    def _grade(self):
+        def run():
+            return grade(self.task, self.sandbox, self.test_timeout)
+
+        if self.grades is None:
+            return run()
+        # The patch after the last step is the tree's (read-only steps keep the last one).
+        patch = self.steps[-1].patch if self.steps else ""
+        result, self.grade_cached = self.grades.grade(self.task, patch, run)
+        return result
 
 
 # ---- replay ----------------------------------------------------------------------------------

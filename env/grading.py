@@ -17,6 +17,11 @@ One path for every task (SWE-bench, R2E-Gym, mini-SWE, native rows):
    missing from the log (SWE-bench `get_eval_tests_report`: a skipped test is neither
    a success nor a failure). The `exit_code` parser grades by the command's status.
 
+Graded once per patch (`GradeCache`): SWE-bench's harness grades a task's patch by
+applying it to a fresh container at the base commit, so its reward is a function of
+the task and the patch; an episode whose final patch was graded before, for the same
+task, takes that grade without running the tests again.
+
 A run in which none of the listed tests ran (the interpreter is missing, collection
 failed, nothing was collected, the parser found none of them, the run timed out) is
 no task outcome. The tests are then run once more from a reference state (base +
@@ -28,11 +33,14 @@ in the state it graded.
 
 from __future__ import annotations
 
+import collections
 import fnmatch
+import hashlib
 import posixpath
 import re
 import shlex
 import sys
+import threading
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -458,3 +466,68 @@ def grade(task: Task, sandbox: Sandbox, timeout: float = 300.0) -> Grade:
         if ref_reward is not None:  # the tests run without the agent's change: its fault
             return Grade(0.0, f"{output}\n[grader] {reason}; they run at the reference state")
     return Grade(None, output, f"tests never ran [{kind}]: {detail}")
+
+
+class GradeCache:
+    """Grades by (task, patch), for the episodes of one run (module docstring).
+
+    A grade whose tests never ran (reward None) is not kept: the next episode with that
+    patch grades again. Gradings of one key at once run once, the others wait for its
+    grade. Up to `max_bytes` of test output is kept, least recently used out.
+
+    The grade comes from the first sandbox that ran it: where a sandbox's state outside
+    its patch (files its .gitignore leaves out of the diff, its home directory) would
+    change the tests' outcome, later episodes with the same patch get that first grade,
+    as the official harness, which sees only the patch, gives all of them one grade.
+    """
+
+    def __init__(self, max_bytes: int = 64 << 20):
+        self.max_bytes = int(max_bytes)
+        self.bytes = 0
+        self.hits = self.misses = 0
+        self._grades: collections.OrderedDict[str, Grade] = collections.OrderedDict()
+        self._running: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(task: Task, patch: str) -> str:
+        digest = hashlib.sha256(repr(task).encode("utf-8", "surrogateescape"))
+        digest.update(b"\0" + patch.encode("utf-8", "surrogateescape"))
+        return digest.hexdigest()
+
+    def grade(self, task: Task, patch: str, run: Callable[[], Grade]) -> tuple[Grade, bool]:
+        """(grade, whether it was kept from before) of `task` at `patch`; `run()` grades
+        the tree when no grade is kept."""
+        key = self.key(task, patch)
+        while True:
+            with self._lock:
+                if key in self._grades:
+                    self._grades.move_to_end(key)
+                    self.hits += 1
+                    return self._grades[key], True
+                running = self._running.get(key)
+                if running is None:
+                    done = self._running[key] = threading.Event()
+                    self.misses += 1
+                    break
+            running.wait()  # then kept, or never ran: one of the waiters runs it
+        try:
+            result = run()
+            if result.reward is not None and not result.error:
+                self._keep(key, result)
+            return result, False
+        finally:
+            with self._lock:
+                del self._running[key]
+            done.set()
+
+    def _keep(self, key: str, result: Grade) -> None:
+        size = len(result.output) + len(key)
+        with self._lock:
+            if size > self.max_bytes:
+                return
+            self._grades[key] = result
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                old_key, old = self._grades.popitem(last=False)
+                self.bytes -= len(old.output) + len(old_key)

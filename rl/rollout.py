@@ -14,7 +14,9 @@ Budgets, each ending the trajectory with its status:
   wall-clock -> "timeout"; sandbox failure, or any other exception out of one
   rollout -> "env_error" (never scored, the exception in `error`; never fails the
   collection).
-Every trajectory that is not env_error is graded by the task's tests at the end.
+Every trajectory that is not env_error is graded by the task's tests at the end, once
+per patch: a trajectory whose final patch was graded before for the same task takes
+that grade (`grade_cache`, env.grading.GradeCache).
 
 A trajectory can start from a prefix of another (Prefix Sampling, DESIGN section 4):
 the sandbox is restored to the state after step k, the source's first k turns are
@@ -38,6 +40,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from env import episode as episode_lib
+from env.grading import GradeCache
 from env.sandbox.base import SandboxError
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
@@ -74,6 +77,8 @@ class RolloutConfig:
     wall_timeout_s: seconds for the whole trajectory, grading excluded.
     logprobs: the engine computes the sampled tokens' log-probs (False for greedy
       evaluation, whose turns are never trained on: NaN in their place).
+    grade_cache: an episode whose final patch was graded before for the same task
+      takes that grade (env.grading.GradeCache); False runs the tests of every episode.
     """
 
     max_steps: int = 8
@@ -88,6 +93,7 @@ class RolloutConfig:
     env_retries: int = 1  # env_error rollouts are re-run this many times
     system_prompt: str = SYSTEM_PROMPT
     logprobs: bool = True
+    grade_cache: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +133,7 @@ class Agent:
                                 on_close=getattr(sandbox_factory, "close", None))
         self.stop_ids = sorted({tokenizer.special_ids[TOOL_CALL_END], tokenizer.eos_id,
                                 tokenizer.pad_id})
+        self.grades = GradeCache()  # shared with the agents of with_sampling
 
     def close(self) -> None:
         """Closes every live sandbox (also done at exit and on SIGTERM)."""
@@ -197,13 +204,15 @@ class Agent:
         if traj.status != "env_error":
             t0 = time.perf_counter()
             traj.reward = await self.pool.call(episode.reward)
+            traj.grade_cached = episode.grade_cached
             timings["grade_s"] += time.perf_counter() - t0
             if episode.status == "env_error":
                 traj.status, traj.error, traj.reward = "env_error", episode.error, None
 
     def _start(self, job: RolloutJob, traj: Trajectory, sandbox):
         """A ready episode in `sandbox` and the ids to feed before the first generated turn."""
-        kwargs = {"max_steps": self.cfg.max_steps, "test_timeout": self.cfg.test_timeout_s}
+        kwargs = {"max_steps": self.cfg.max_steps, "test_timeout": self.cfg.test_timeout_s,
+                  "grades": self.grades if self.cfg.grade_cache else None}
         if job.prefix is None:
             episode = episode_lib.Episode(sandbox, job.task, **kwargs)
             first = episode.reset()

@@ -306,6 +306,7 @@ def rollout_metrics(trajs: Sequence[Trajectory], groups: Sequence[Sequence[Traje
                                                             for t in scored]))
     for status in ("finished", "max_steps", "truncated", "timeout"):
         m[f"rollout/status_{status}"] = sum(t.status == status for t in trajs)
+    m["rollout/grades_cached"] = sum(t.grade_cached for t in scored)
     m["rollout/engine_errors"] = sum(t.is_env_error and t.error.startswith(ENGINE_ERROR)
                                      for t in trajs)
     rewards = [[t.reward for t in g if not t.is_env_error and t.reward is not None]

@@ -69,6 +69,7 @@ class Trajectory:
     policy_version: int = 0
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str = ""  # what went wrong, for env_error
+    grade_cached: bool = False  # the reward is a kept grade of the same patch (GradeCache)
 
     @property
     def num_steps(self) -> int:

@@ -11,7 +11,7 @@ import pytest
 from sandbox_backends import BACKENDS, backend_factory, docker_defaults, tree_hashes
 
 from env.episode import Episode, restore, same_observation, sandbox_factory
-from env.grading import grade, parse_r2e, r2e_outcome_matches
+from env.grading import GradeCache, grade, parse_r2e, r2e_outcome_matches
 from env.miniswe import expert_demo, generate_tasks
 from env.tasks import Task
 from models.tokenizer import render_tool_call
@@ -196,3 +196,31 @@ def test_killed_container_is_env_error(request):
         episode.reset()
         assert episode.status == "env_error" and "image" in episode.error
         assert episode.reward() is None
+
+
+def _fix_calls(task):
+    return [{"name": "file_editor", "arguments": {
+        "command": "str_replace", "path": f"/testbed/{bug['path']}",
+        "old_str": bug["buggy"], "new_str": bug["fixed"]}} for bug in task.metadata["bugs"]]
+
+
+def test_an_equal_patch_takes_the_kept_grade(request):
+    """The second episode with the fix takes the first one's grade; the grade it gets
+    is the one its own tree grades to; another patch, or another task, runs its tests."""
+    factory = backend_factory(request, "local")
+    task, other = generate_tasks(2, seed=4)
+    cache = GradeCache()
+    rewards = []
+    for actions in (_fix_calls(task), _fix_calls(task), [_bash("echo > notes.txt")]):
+        with Episode(factory, task, grades=cache) as episode:
+            episode.reset()
+            for action in actions:
+                episode.step(action)
+            rewards.append((episode.reward(), episode.grade_cached))
+            own = grade(task, episode.sandbox)
+            assert own.reward == rewards[-1][0]
+    assert rewards == [(1.0, False), (1.0, True), (0.0, False)]
+    with Episode(factory, other, grades=cache) as episode:
+        episode.reset()
+        assert episode.reward() == 0.0 and not episode.grade_cached
+    assert (cache.hits, cache.misses) == (1, 3)

@@ -16,6 +16,7 @@ and each hack, which scores 1 with protection off (so the check can fail), score
 Runs in local sandboxes; pytest comes from a world-readable copy of this interpreter's.
 """
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -23,12 +24,16 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 
 import pytest
 from sandbox_backends import docker_defaults
 
 from env.episode import Episode, sandbox_factory
 from env.grading import (
+    Grade,
+    GradeCache,
     error_kind,
     grade,
     merge_test_sections,
@@ -416,3 +421,52 @@ def test_restore_plan_rules():
     # restored unless their directory is a package (decided in the sandbox)
     assert shadows == ["json.py", "pkg/json.py", "unittest/__init__.py"]
     assert sections == ["setup.cfg", "docs/pyproject.toml"]
+
+
+def test_grade_cache_runs_a_key_once_and_keeps_only_scored_grades():
+    cache, task = GradeCache(max_bytes=1 << 20), generate_tasks(1, seed=2)[0]
+    calls, release = [], threading.Event()
+
+    def run(reward):
+        def grade_now():
+            calls.append(reward)
+            release.wait(10)
+            return Grade(reward, "log" if reward is not None else "", "" if reward is not None
+                         else "tests never ran [timeout]: 30 s")
+        return grade_now
+
+    # Four gradings of one patch at once: one runs, the others wait for its grade.
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(cache.grade, task, "p", run(1.0)) for _ in range(4)]
+        time.sleep(0.2)
+        release.set()
+        results = [f.result() for f in futures]
+    assert calls == [1.0]
+    assert sorted(kept for _, kept in results) == [False, True, True, True]
+    assert {g.reward for g, _ in results} == {1.0}
+    # A grade whose tests never ran is not kept: the next grading of it runs again.
+    assert cache.grade(task, "q", run(None)) == (Grade(None, "", "tests never ran [timeout]: "
+                                                       "30 s"), False)
+    assert cache.grade(task, "q", run(0.0)) == (Grade(0.0, "log"), False)
+    assert cache.grade(task, "q", run(1.0)) == (Grade(0.0, "log"), True)
+    # Another task (any field) or another patch is another key.
+    changed = dataclasses.replace(task, test_command=task.test_command + " -b")
+    assert not cache.grade(changed, "p", run(0.0))[1]
+    assert not cache.grade(task, "p\n", run(0.0))[1]
+    assert calls == [1.0, None, 0.0, 0.0, 0.0]
+
+
+def test_grade_cache_drops_the_least_recently_used_past_its_bytes():
+    task = generate_tasks(1, seed=2)[0]
+    entry = len("x" * 100) + 64  # output + key
+    cache = GradeCache(max_bytes=2 * entry)
+    for patch in ("a", "b"):
+        cache.grade(task, patch, lambda: Grade(1.0, "x" * 100))
+    cache.grade(task, "a", lambda: Grade(0.0, "y"))  # a hit: "a" is now the most recent
+    cache.grade(task, "c", lambda: Grade(1.0, "x" * 100))  # "b" goes
+    assert cache.bytes == 2 * entry
+    assert [cache.grade(task, p, lambda: Grade(0.5, ""))[1] for p in ("a", "c", "b")] == [
+        True, True, False]
+    assert cache.grade(task, "big", lambda: Grade(1.0, "x" * 1000)) == (Grade(1.0, "x" * 1000),
+                                                                        False)
+    assert not cache.grade(task, "big", lambda: Grade(1.0, ""))[1]  # too large to keep
