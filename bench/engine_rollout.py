@@ -2,6 +2,7 @@
 
     python -m bench.engine_rollout [--old 630a893 | --old DIR] [--old-sandbox COMMIT|new]
         [--rounds 3] [--warmup 1] [--seed 0] [--ckpt WORKDIR] [--compilation_cache DIR]
+        [--grade-cache 1|0]
 
 Both engines serve the same model (the default config's tiny Qwen3, randomly
 initialised from --seed, so turns run to their token budget rather than a learned
@@ -157,8 +158,8 @@ async def run(args) -> dict:
     factories = {"old": factory if old_sandbox == "new" else old_local_factory(
         old_sandbox, workdir), "new": factory}
     # The old commit graded every episode; this tree grades a patch once (GradeCache).
-    rollout_cfgs = {"old": RolloutConfig(**{**config.rollout, "grade_cache": False}),
-                    "new": RolloutConfig(**config.rollout)}
+    rollout_cfgs = {name: RolloutConfig(**{**config.rollout, "grade_cache": cached})
+                    for name, cached in (("old", False), ("new", bool(args.grade_cache)))}
     agents = {name: Agent(engine, tokenizer, factories[name], rollout_cfgs[name],
                           max_concurrent_envs=config.env.max_concurrent,
                           tools_in_prompt=config.env.tools_in_prompt)
@@ -183,7 +184,8 @@ async def run(args) -> dict:
     errors = sum(row[name]["env_errors"] for row in rounds for name in row)
     if errors:  # a phase whose episodes failed generated other tokens: no comparison
         _log(f"{errors} rollouts ended in env_error; the speedup is not reported")
-    return {"old_commit": args.old, "old_sandbox": old_sandbox, "checkpoint": args.ckpt or None,
+    return {"old_commit": args.old, "old_sandbox": old_sandbox,
+            "new_grade_cache": bool(args.grade_cache), "checkpoint": args.ckpt or None,
             "engine_options": options,
             "model_params": sum(x.size for x in jax.tree.leaves(weights[1])),
             "phase": f"{batch_tasks} tasks x {group_size} rollouts",
@@ -207,6 +209,9 @@ def main(argv=None) -> dict:
     p.add_argument("--compilation_cache", default=setup.COMPILATION_CACHE,
                    help="persistent XLA cache, as train.py keeps it ('' off): a rerun "
                         "compiles nothing either engine compiled before")
+    p.add_argument("--grade-cache", type=int, default=1,
+                   help="this tree's arm grades a patch once (1, the default's) or every "
+                        "episode (0: the grade cache's share of the speed-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt", default="",
                    help="a run directory of the default (its latest checkpoint and tokenizer)")
