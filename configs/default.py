@@ -32,7 +32,7 @@ def get_config(arg=None):
     c = ml_collections.ConfigDict()
     c.seed = arg.seed
     # RL steps. 260 held-out tasks, 3 seeds (docs/RESULTS.md): the warm start 0.360,
-    # step 24 0.454, step 36 0.462 (seed 0 alone: 0.335, 0.438 at step 12, 0.469, 0.462).
+    # step 36 0.442-0.462 over two draws of the rollouts; resumed to step 72, lower.
     c.total_steps = 36
 
     c.model = dict(preset="tiny", hf_path="", hidden_size=128, intermediate_size=384,
