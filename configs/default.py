@@ -31,8 +31,8 @@ def get_config(arg=None):
     arg = common.parse_arg(arg, **OPTIONS)
     c = ml_collections.ConfigDict()
     c.seed = arg.seed
-    # RL steps. 260 held-out tasks, 3 seeds (docs/RESULTS.md): the warm start 0.360,
-    # step 36 0.442-0.462 over two draws of the rollouts; resumed to step 72, lower.
+    # RL steps. 260 held-out tasks, 3 seeds (docs/RESULTS.md): the warm start 0.210,
+    # step 36 0.397 (with 50% imperfect demonstrations, 72 steps ended lower than 36).
     c.total_steps = 36
 
     c.model = dict(preset="tiny", hf_path="", hidden_size=128, intermediate_size=384,
