@@ -76,7 +76,10 @@ async def measure(args) -> dict:
     launcher = sglang.SGLangLauncher(sglang.LauncherConfig(
         model_path=init, command=args.command, context_length=args.context_length,
         startup_timeout=args.startup_timeout, log_path=os.path.join(workdir, "server.log"),
-        env={"XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction)}))
+        env={"XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction),
+             # the project's own server imports this repository (LauncherConfig)
+             **({"PYTHONPATH": sglang.REPOSITORY} if "-m inference.server" in args.command
+                else {})}))
     t0 = time.perf_counter()
     launcher.start()
     _log(f"server healthy in {time.perf_counter() - t0:.0f} s (log {launcher.log_path})")

@@ -15,13 +15,17 @@ adaptive (adaptive prefix controller), server (sample through a launched
 `inference.server` over SGLang's protocol, as on a GPU pod), seed=N, steps=N.
 """
 
+import os
+
 import ml_collections
 
 from configs import common
 
 OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, server=False, seed=0,
                steps=0)
-# The project's SGLang-protocol server on its CPU engine, launched like SGLang.
+# The project's SGLang-protocol server on its CPU engine, launched like SGLang; it imports
+# this repository, which a launched server has off its sys.path unless its env says so.
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_COMMAND = ("{python} -m inference.server --model-path {model_path} --port {port} "
                   "--host {host} --context-length {context_length} --max-batch 64 "
                   "--min-batch 8 --min-len 64 --prefix-cache-tokens 262144")
@@ -137,7 +141,8 @@ def get_config(arg=None):
         # ratio uses the learner's old log-probs, with TIS against the sampler's.
         c.engine.kind = "sglang"
         c.engine.sglang.update(launch=True, ports=(31000,), host_gpus=0, command=SERVER_COMMAND,
-                               export_dtype="float32", health_timeout_s=300.0)
+                               env=(f"PYTHONPATH={REPOSITORY}",), export_dtype="float32",
+                               health_timeout_s=300.0)
         c.learner.loss.old_logprobs, c.learner.loss.tis_cap = "learner", 2.0
     if arg.steps:
         c.total_steps = arg.steps

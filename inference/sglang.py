@@ -475,6 +475,16 @@ class LauncherConfig:
     log_path: file receiving stdout+stderr; default a temporary file.
     startup_timeout: seconds to wait for /health.
     env: extra environment variables for the process.
+    cwd: its working directory; default a new temporary directory. A relative model_path
+      that exists here is made absolute first.
+
+    The process never has this repository on its sys.path unless `env` puts it there:
+    SGLang imports the `kernels` library, which the project's top-level `kernels`
+    package would shadow. So it runs outside the repository, with PYTHONSAFEPATH=1
+    (`python -m` does not put the working directory first; Python 3.11+) and without
+    the repository in an inherited PYTHONPATH. The project's own server
+    (`inference.server`) needs the repository: its configs pass
+    `env={"PYTHONPATH": <repository root>}`.
     """
 
     model_path: str = ""
@@ -491,6 +501,10 @@ class LauncherConfig:
     log_path: str | None = None
     startup_timeout: float = 900.0
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cwd: str = ""
+
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -523,7 +537,9 @@ class SGLangLauncher:
     def command(self) -> list[str]:
         """The argv this launcher runs."""
         c = self.config
-        fields = {"python": c.python or sys.executable, "model_path": c.model_path,
+        model_path = os.path.abspath(c.model_path) if c.model_path and os.path.exists(
+            c.model_path) else c.model_path
+        fields = {"python": c.python or sys.executable, "model_path": model_path,
                   "port": self.port, "host": c.host, "tp_size": c.tp_size,
                   "mem_fraction_static": c.mem_fraction_static,
                   "context_length": c.context_length}
@@ -532,10 +548,14 @@ class SGLangLauncher:
         return argv + flags + [str(a) for a in c.extra_args]
 
     def environment(self) -> dict[str, str]:
-        """Variables set for the process on top of this one's."""
+        """Variables set for the process on top of this one's (see LauncherConfig: the
+        repository stays off the server's sys.path unless `env` puts it there)."""
         gpus = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.config.gpus))} \
             if self.config.gpus else {}
-        return {**gpus, **self.config.env}
+        inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        kept = [p for p in inherited if p and os.path.realpath(p) != REPOSITORY]
+        return {"PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(kept), **gpus,
+                **self.config.env}
 
     def start(self) -> SGLangLauncher:
         """Starts the process and blocks until /health answers 200."""
@@ -547,10 +567,11 @@ class SGLangLauncher:
         """Starts the process without waiting (start several, then `wait_healthy` each)."""
         if self.process is not None:
             raise RuntimeError(f"server {self.url} already started")
+        cwd = self.config.cwd or tempfile.mkdtemp(prefix="server_")
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                            env={**os.environ, **self.environment()})
+                                            env={**os.environ, **self.environment()}, cwd=cwd)
 
     def wait_healthy(self, timeout: float | None = None) -> None:
         """Blocks until /health answers 200; on exit or deadline kills the group and raises

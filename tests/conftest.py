@@ -12,8 +12,12 @@ lives in a temporary directory removed at exit: nothing carries over between run
 """
 
 import atexit
+import importlib.util
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -37,16 +41,30 @@ def _missing(what: str, why: str):
     pytest.skip(msg)
 
 
+HF_REFERENCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_reference.py")
+
+
 @pytest.fixture(scope="session")
-def torch_ref():
-    """(torch, transformers) modules, or skip/fail when absent."""
-    try:
-        import torch
-        import transformers
-    except ImportError as e:
-        _missing("torch/transformers", str(e))
-    torch.manual_seed(0)
-    return torch, transformers
+def hf_reference(tmp_path_factory):
+    """A function running one request of tests/hf_reference.py (transformers as the
+    reference) in a process of its own, or skip/fail when torch or transformers is absent.
+
+    transformers is never imported here: in a process with the repository root on
+    sys.path the project's `kernels` package shadows the `kernels` library transformers
+    5 imports. The reference runs isolated (`-I`: neither the script's directory nor
+    PYTHONPATH on sys.path) from a directory outside the repository."""
+    for name in ("torch", "transformers"):
+        if importlib.util.find_spec(name) is None:
+            _missing("torch/transformers", f"no module named {name!r}")
+    cwd = tmp_path_factory.mktemp("hf_reference")
+
+    def run(request: dict) -> dict:
+        proc = subprocess.run([sys.executable, "-I", HF_REFERENCE, json.dumps(request)],
+                              cwd=cwd, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"hf_reference.py failed:\n{proc.stderr[-4000:]}"
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return run
 
 
 @pytest.fixture(scope="session")

@@ -25,23 +25,22 @@ def _tokens(vocab):
     return np.random.RandomState(0).randint(0, vocab, (2, T)).astype(np.int32)
 
 
-def _torch_logits(torch, hf_model, tokens):
-    with torch.no_grad():
-        return hf_model(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+def _hf_make(hf_reference, tmp_path, tied, heads, kv_heads, head_dim, hidden, layers=2,
+             shard_size=None):
+    """A random transformers Qwen3 saved to tmp_path/hf; its logits on `_tokens(96)`."""
+    config = dict(vocab_size=96, hidden_size=hidden, intermediate_size=40,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=head_dim, rope_theta=1_000_000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=tied, max_position_embeddings=64)
+    return _hf_run(hf_reference, tmp_path, op="make", config=config, dir=str(tmp_path / "hf"),
+                   max_shard_size=shard_size)
 
 
-def _hf_model(transformers, tied, heads, kv_heads, head_dim, hidden, layers=2):
-    config = transformers.Qwen3Config(
-        vocab_size=96, hidden_size=hidden, intermediate_size=40, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-        rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=tied,
-        max_position_embeddings=64)
-    model = transformers.Qwen3ForCausalLM(config).eval()
-    # Norm weights start at one; perturb them so a transposed or misplaced norm shows.
-    for name, p in model.named_parameters():
-        if name.endswith("norm.weight"):
-            p.data.uniform_(0.5, 1.5)
-    return model
+def _hf_run(hf_reference, tmp_path, **request):
+    np.save(tmp_path / "tokens.npy", _tokens(96))
+    answer = hf_reference({**request, "tokens": str(tmp_path / "tokens.npy"),
+                           "logits": str(tmp_path / "logits.npy")})
+    return answer, np.load(tmp_path / "logits.npy")
 
 
 @pytest.mark.parametrize("tied,heads,kv_heads,head_dim,hidden,shard_size", [
@@ -49,31 +48,25 @@ def _hf_model(transformers, tied, heads, kv_heads, head_dim, hidden, layers=2):
     (False, 4, 1, 12, 48, None),    # untied; one kv head
     (False, 2, 2, 8, 24, "20KB"),   # sharded checkpoint with an index file
 ])
-def test_logits_match_transformers(torch_ref, tmp_path, tied, heads, kv_heads, head_dim,
+def test_logits_match_transformers(hf_reference, tmp_path, tied, heads, kv_heads, head_dim,
                                    hidden, shard_size):
-    torch, transformers = torch_ref
-    hf_model = _hf_model(transformers, tied, heads, kv_heads, head_dim, hidden)
-    kwargs = {"max_shard_size": shard_size} if shard_size else {}
-    hf_model.save_pretrained(tmp_path, safe_serialization=True, **kwargs)
-    assert os.path.exists(tmp_path / INDEX_FILE) == (shard_size is not None)
-    cfg, model = load_hf(str(tmp_path))
+    _, want = _hf_make(hf_reference, tmp_path, tied, heads, kv_heads, head_dim, hidden,
+                       shard_size=shard_size)
+    assert os.path.exists(tmp_path / "hf" / INDEX_FILE) == (shard_size is not None)
+    cfg, model = load_hf(str(tmp_path / "hf"))
     assert (cfg.tie_word_embeddings, cfg.num_kv_heads, cfg.head_dim) == (tied, kv_heads, head_dim)
-    tokens = _tokens(cfg.vocab_size)
-    ours = np.asarray(_logits(model, jnp.asarray(tokens)))
-    np.testing.assert_allclose(ours, _torch_logits(torch, hf_model, tokens), atol=1e-4)
+    ours = np.asarray(_logits(model, jnp.asarray(_tokens(cfg.vocab_size))))
+    np.testing.assert_allclose(ours, want, atol=1e-4)
 
 
-def test_nested_remat_matches_transformers_and_saves_exactly(torch_ref, tmp_path):
+def test_nested_remat_matches_transformers_and_saves_exactly(hf_reference, tmp_path):
     """A 4-layer checkpoint under remat="nested" (2 groups of 2 layers): logits within 1e-4
     of transformers, and saved back tensor for tensor."""
-    torch, transformers = torch_ref
-    hf_model = _hf_model(transformers, False, 4, 2, 16, 32, layers=4)
-    hf_model.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    _, want = _hf_make(hf_reference, tmp_path, False, 4, 2, 16, 32, layers=4)
     cfg, model = load_hf(str(tmp_path / "hf"), remat="nested")
     assert (cfg.num_layers, cfg.remat) == (4, "nested")
-    tokens = _tokens(cfg.vocab_size)
-    ours = np.asarray(_logits(model, jnp.asarray(tokens)))
-    np.testing.assert_allclose(ours, _torch_logits(torch, hf_model, tokens), atol=1e-4)
+    ours = np.asarray(_logits(model, jnp.asarray(_tokens(cfg.vocab_size))))
+    np.testing.assert_allclose(ours, want, atol=1e-4)
     save_hf(model, cfg, str(tmp_path / "ours"))
     _, again = load_hf(str(tmp_path / "ours"))
     a, b = _flat(model), _flat(again)
@@ -122,14 +115,12 @@ def test_bfloat16_round_trip_is_exact(model, tmp_path):
         np.testing.assert_array_equal(np.asarray(want), np.asarray(have))
 
 
-def test_saved_checkpoint_loads_in_transformers(torch_ref, model, tmp_path):
-    torch, transformers = torch_ref
-    save_hf(model, CFG, str(tmp_path), max_shard_bytes=8000)
-    hf_model = transformers.Qwen3ForCausalLM.from_pretrained(str(tmp_path)).eval()
-    assert hf_model.config.rope_parameters["rope_theta"] == CFG.rope_theta
-    tokens = _tokens(CFG.vocab_size)
-    ours = np.asarray(_logits(model, jnp.asarray(tokens)))
-    np.testing.assert_allclose(ours, _torch_logits(torch, hf_model, tokens), atol=1e-4)
+def test_saved_checkpoint_loads_in_transformers(hf_reference, model, tmp_path):
+    save_hf(model, CFG, str(tmp_path / "ours"), max_shard_bytes=8000)
+    answer, want = _hf_run(hf_reference, tmp_path, op="load", dir=str(tmp_path / "ours"))
+    assert answer["rope_theta"] == CFG.rope_theta
+    ours = np.asarray(_logits(model, jnp.asarray(_tokens(CFG.vocab_size))))
+    np.testing.assert_allclose(ours, want, atol=1e-4)
 
 
 def test_missing_tensor_is_named(model, tmp_path):

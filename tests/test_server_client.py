@@ -3,6 +3,8 @@ started and stopped by SGLangLauncher; the in-process EmbeddedEngine is the refe
 
 import asyncio
 import contextlib
+import importlib.metadata
+import json
 import os
 import shlex
 import signal
@@ -19,6 +21,7 @@ from flax import nnx
 from inference.embedded import EmbeddedEngine
 from inference.engine import ContextLengthError, EngineError, GenerateRequest
 from inference.sglang import (
+    REPOSITORY,
     LauncherConfig,
     SGLangClient,
     SGLangLauncher,
@@ -87,6 +90,7 @@ def servers(models, tmp_path_factory):
     """Two inference.server processes on model "a", started in parallel."""
     logs = tmp_path_factory.mktemp("logs")
     launchers = [SGLangLauncher(LauncherConfig(model_path=models["a"][1], command=SERVER,
+                                               env={"PYTHONPATH": REPOSITORY},
                                                log_path=str(logs / f"s{i}.log"),
                                                startup_timeout=120))
                  for i in range(2)]
@@ -443,6 +447,50 @@ def test_launcher_deadline_kills_the_group(tmp_path):
     assert launcher.process is None
     with pytest.raises(ProcessLookupError):
         os.killpg(pid, 0)
+
+
+# A stand-in for `python -m sglang.launch_server` that imports what SGLang imports at start:
+# transformers and, through it and directly, the PyPI `kernels` library (SGLang 0.5 pins
+# both). It answers /health with the file its `kernels` came from.
+STAND_IN = """
+import http.server, json, sys
+import kernels, transformers
+from kernels import get_kernel  # a name of the library, not of the project's package
+port = int(sys.argv[sys.argv.index("--port") + 1])
+body = json.dumps({"kernels": kernels.__file__, "sys_path": sys.path}).encode()
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body)
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("inherited_pythonpath", [False, True])
+def test_launched_server_imports_the_kernels_library_not_the_project(
+        hf_reference, tmp_path, monkeypatch, inherited_pythonpath):
+    """Started from the repository root (as `python train.py` is), with transformers 5 and
+    the `kernels` library installed, and even with the repository in PYTHONPATH, the
+    server's `import kernels` finds the library."""
+    # hf_reference: skips (fails in CI) like the HF reference when transformers is absent
+    if int(importlib.metadata.version("transformers").split(".")[0]) < 5:
+        pytest.fail("this check needs transformers 5 (which depends on `kernels`)")
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "fake_sglang.py").write_text(STAND_IN)
+    monkeypatch.chdir(REPOSITORY)
+    monkeypatch.setenv("PYTHONPATH", REPOSITORY if inherited_pythonpath else "")
+    launcher = SGLangLauncher(LauncherConfig(
+        command="{python} -m fake_sglang --model-path {model_path} --port {port}",
+        model_path="configs", env={"PYTHONPATH": str(tmp_path / "mods")},
+        log_path=str(tmp_path / "log"), startup_timeout=120))
+    assert os.path.isdir(os.path.join(REPOSITORY, "kernels"))  # the package that would clash
+    with launcher:
+        answer = json.loads(urllib.request.urlopen(launcher.url + "/health", timeout=10).read())
+    assert "site-packages" in answer["kernels"], answer
+    assert not answer["kernels"].startswith(REPOSITORY + os.sep)
+    assert REPOSITORY not in answer["sys_path"] and "" not in answer["sys_path"]
+    assert launcher.command()[4] == os.path.join(REPOSITORY, "configs")  # made absolute
 
 
 # Flags of `python -m sglang.launch_server`, from SGLang's docs/advanced_features/
