@@ -23,9 +23,11 @@ the task and the patch; an episode whose final patch was graded before, for the 
 task, takes that grade without running the tests again.
 
 A run in which none of the listed tests ran (the interpreter is missing, collection
-failed, nothing was collected, the parser found none of them, the run timed out) is
-no task outcome. The tests are then run once more from a reference state (base +
-gold patch + test_patch, or base + test_patch without a gold patch): if they run
+failed, nothing was collected, pytest stopped on an internal error, the parser found
+none of them, the run timed out) is no task outcome (the log parsers and this
+classification are checked against pytest 7, 8 and 9). The tests are then run once
+more from a reference state (base + gold patch + test_patch, or base + test_patch
+without a gold patch): if they run
 there, the agent's change stopped them and the reward is 0; if they do not, the
 result is an env_error carrying the reason (`Grade.error`). Grading leaves the tree
 in the state it graded.
@@ -245,6 +247,10 @@ def never_ran(task: Task, output: str, exit_code: int, timed_out: bool, timeout:
     if any(t in status for t in task.tests) or not task.tests:
         return ""
     text = "\n".join(_clean(output))
+    if "\nINTERNALERROR> " in "\n" + text:
+        raised = re.findall(r"^INTERNALERROR> +(\w[\w.]*(?:Error|Exception|Exit)\b.*)$", text,
+                            re.MULTILINE)
+        return f"internal_error: {raised[-1].strip() if raised else 'see the log'}"
     collect = re.search(r"^(?:ERROR collecting .*|E +\w*Error.*|\w*Error: .*)$", text, re.MULTILINE)
     if re.search(r"error(s)? during collection|^ERROR collecting|Interrupted: \d+ error", text,
                  re.MULTILINE) or (exit_code in (2, 3, 4) and collect):

@@ -23,6 +23,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -201,22 +202,29 @@ def sympy_row() -> dict:
                         SYMPY_GOLD, ["test_double"], ["test_zero"])
 
 
-@pytest.fixture(scope="module")
-def pytest_dir():
-    """This interpreter's pytest and its pure-Python dependencies in a world-readable
-    directory: the sandbox's python (and uid) cannot see this interpreter's packages."""
-    import _pytest
-    import iniconfig
-    import packaging
-    import pluggy
-    import pygments
+# pytest majors the grading is checked against: SWE-bench's images pin old releases,
+# R2E-Gym, SWE-smith and new repositories run current ones. Each is installed once per
+# run, exactly pinned with its dependencies, from the package index.
+PYTEST_RELEASES = {
+    "7": ("pytest==7.4.4", "pluggy==1.7.0", "iniconfig==2.3.1", "packaging==26.4"),
+    "8": ("pytest==8.4.2", "pluggy==1.7.0", "iniconfig==2.3.1", "packaging==26.4",
+          "pygments==2.21.0"),
+    "9": ("pytest==9.2.0", "pluggy==1.7.0", "iniconfig==2.3.1", "packaging==26.4",
+          "pygments==2.21.0"),
+}
 
-    out = tempfile.mkdtemp(prefix="grading-pytest-")
-    for module in (pytest, _pytest, pluggy, iniconfig, packaging, pygments):
-        src = os.path.dirname(module.__file__)
-        shutil.copytree(src, os.path.join(out, os.path.basename(src)),
-                        ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(os.path.join(os.path.dirname(os.path.dirname(pytest.__file__)), "py.py"), out)
+
+@pytest.fixture(scope="module", params=sorted(PYTEST_RELEASES), ids=lambda v: f"pytest{v}")
+def pytest_dir(request):
+    """A pytest release (with its package metadata) installed in a world-readable
+    directory that the task's env_setup puts on PYTHONPATH: the sandbox's python (and
+    uid) cannot see this interpreter's packages."""
+    out = tempfile.mkdtemp(prefix=f"grading-pytest{request.param}-")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                           "--disable-pip-version-check", "--target", out,
+                           *PYTEST_RELEASES[request.param]],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"cannot install pytest {request.param}: {proc.stderr}"
     for root, _, files in os.walk(out):
         os.chmod(root, 0o755)
         for name in files:
@@ -344,8 +352,11 @@ def _unprotected(task):
 
 def test_never_ran_is_env_error_with_reason(pytest_dir):
     broken = {**FLASK_FILES, "tests/conftest.py": "import not_a_module\n"}
+    internal = {**FLASK_FILES, "tests/conftest.py": "def pytest_sessionstart(session):\n"
+                "    raise RuntimeError('plugin bug')\n"}
     for files, kind in ((broken, "collection_failed"),
-                        ({**FLASK_FILES, "tests/test_calc.py": "X = 1\n"}, "no_tests_collected")):
+                        ({**FLASK_FILES, "tests/test_calc.py": "X = 1\n"}, "no_tests_collected"),
+                        (internal, "internal_error")):
         row = {**flask_row(pytest_dir), "repo_dir": git_repo(files), "test_patch": ""}
         task = task_from_row(row)
         with Episode(FACTORY, task) as episode:
