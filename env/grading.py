@@ -27,10 +27,9 @@ failed, nothing was collected, pytest stopped on an internal error, the parser f
 none of them, the run timed out) is no task outcome (the log parsers and this
 classification are checked against pytest 7, 8 and 9). The tests are then run once
 more from a reference state (base + gold patch + test_patch, or base + test_patch
-without a gold patch): if they run
-there, the agent's change stopped them and the reward is 0; if they do not, the
-result is an env_error carrying the reason (`Grade.error`). Grading leaves the tree
-in the state it graded.
+without a gold patch): if they run there, the agent's change stopped them and the
+reward is 0; if they do not, the result is an env_error carrying the reason
+(`Grade.error`). Grading leaves the tree in the state it graded.
 """
 
 from __future__ import annotations
