@@ -552,10 +552,10 @@ class SGLangLauncher:
         repository stays off the server's sys.path unless `env` puts it there)."""
         gpus = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, self.config.gpus))} \
             if self.config.gpus else {}
-        inherited = os.environ.get("PYTHONPATH", "").split(os.pathsep)
-        kept = [p for p in inherited if p and os.path.realpath(p) != REPOSITORY]
-        return {"PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(kept), **gpus,
-                **self.config.env}
+        inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        kept = [p for p in inherited if os.path.realpath(p) != REPOSITORY]
+        path = {"PYTHONPATH": os.pathsep.join(kept)} if kept != inherited else {}
+        return {"PYTHONSAFEPATH": "1", **path, **gpus, **self.config.env}
 
     def start(self) -> SGLangLauncher:
         """Starts the process and blocks until /health answers 200."""

@@ -479,10 +479,16 @@ def test_launched_server_imports_the_kernels_library_not_the_project(
     (tmp_path / "mods").mkdir()
     (tmp_path / "mods" / "fake_sglang.py").write_text(STAND_IN)
     monkeypatch.chdir(REPOSITORY)
-    monkeypatch.setenv("PYTHONPATH", REPOSITORY if inherited_pythonpath else "")
+    mods = str(tmp_path / "mods")
+    if inherited_pythonpath:  # the repository and the stand-in's directory, inherited
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPOSITORY, mods]))
+        env = {}
+    else:
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+        env = {"PYTHONPATH": mods}
     launcher = SGLangLauncher(LauncherConfig(
         command="{python} -m fake_sglang --model-path {model_path} --port {port}",
-        model_path="configs", env={"PYTHONPATH": str(tmp_path / "mods")},
+        model_path="configs", env=env,
         log_path=str(tmp_path / "log"), startup_timeout=120))
     assert os.path.isdir(os.path.join(REPOSITORY, "kernels"))  # the package that would clash
     with launcher:

@@ -296,8 +296,8 @@ def test_launcher_python_env_and_flags_from_config():
                              "engine.sglang.deterministic": False,
                              "engine.sglang.context_length": 32768})
     (line, _) = sglang.launch_commands(config)
-    assert line[:3] == ["A=b=c", "CUDA_VISIBLE_DEVICES=4,5", "HF_HOME=/x"]
-    assert line[3:6] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
+    assert line[:4] == ["A=b=c", "CUDA_VISIBLE_DEVICES=4,5", "HF_HOME=/x", "PYTHONSAFEPATH=1"]
+    assert line[4:7] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
     assert line[-3:] == ["--dtype", "bfloat16", "--x"]
     assert sglang.DETERMINISTIC_FLAG not in line
     assert line[line.index("--context-length") + 1] == "32768"
