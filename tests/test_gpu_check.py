@@ -145,3 +145,12 @@ def test_helpers_against_hand_computed_values():
     assert row.positions.tolist() == [[0, 1, 2, 3] * 4]
     assert row.loss_mask.tolist() == [[0, 0, 1, 1] * 4]
     assert np.all(row.seq_num_tokens == 2 * row.loss_mask)
+
+
+def test_importing_it_starts_no_backend():
+    """`all` imports this module and must leave the whole GPU to its jobs' processes."""
+    code = ("import bench.gpu_check; from jax._src import xla_bridge; "
+            "assert not xla_bridge._backends, xla_bridge._backends")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
