@@ -558,7 +558,7 @@ def failed(result: dict) -> list[str]:
 # ----------------------------------------------------------------------------- main
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("part", choices=("all", "kernels", "step", "decode"))
     p.add_argument("--out", default="", help="all: the folder of gpu_check.json and .log")
@@ -577,6 +577,11 @@ def main(argv=None) -> dict:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=1)
+    return p
+
+
+def main(argv=None) -> dict:
+    p = parser()
     args = p.parse_args(argv)
     if args.part == "all":
         if not args.out:

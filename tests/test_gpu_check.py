@@ -154,3 +154,27 @@ def test_importing_it_starts_no_backend():
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_gpu_plan_asks_for_the_shapes_it_reports():
+    """The H200 plan, parsed as its jobs' processes will parse it."""
+    jobs = {job.name: job for job in gpu_check.plan(tiny=False)}
+    assert list(jobs)[:4] == ["kernels", "step/qwen3-0.6b/pallas", "decode/bfloat16",
+                              "sync/qwen3-0.6b"]  # each part's headline first
+    assert {n for n in jobs if n.startswith("step/")} == {
+        f"step/{p}/{a}" for p in ("qwen3-0.6b", "qwen3-1.7b") for a in ("pallas", "xla")}
+    for name, job in jobs.items():
+        if job.argv[0] == "bench.weight_sync":
+            assert job.argv[job.argv.index("--preset") + 1] == name.split("/")[1]
+            continue
+        args = gpu_check.parser().parse_args(list(job.argv[1:]))
+        assert not args.tiny and args.json == "{json}"
+        if args.part == "step":
+            assert (args.row_len, args.segments) == (16384, 4)
+            assert f"step/{args.preset}/{args.attention}" == name
+        if name == "decode/bfloat16":
+            assert (args.preset, args.batch_sizes, args.new_tokens) == (
+                "qwen3-0.6b", "1,32,128", 256)
+            assert dict(job.env)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.45"
+    assert gpu_check.GPU_KERNELS.dims == (1024, 4096, 5120)
+    assert gpu_check.GPU_KERNELS.vocab == 151936 and gpu_check.GPU_KERNELS.d_block is None
