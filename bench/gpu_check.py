@@ -8,9 +8,10 @@ and weight sync, in one command that writes one JSON object and a short log.
 `all` runs the jobs of `plan()` one after another, each in its own process group with a
 time limit (its cap, or what is left of the budget): a job that fails, hangs or runs out
 of memory records its error and the next one runs, and each process's peak memory is its
-own. It writes DIR/gpu_check.json ({"jobs": each job's JSON or error, "summary": the
-headline figures and the goals below}) and DIR/gpu_check.log (each job's last lines of
-output), and exits 1 when a job failed or a kernel exceeded its tolerance.
+own; the kernel cases a stopped job finished are kept beside its error. It writes
+DIR/gpu_check.json ({"jobs": each job's JSON and/or error, "summary": the headline
+figures and the goals below}) and DIR/gpu_check.log (each job's last lines of output),
+and exits 1 when a job failed or a kernel exceeded its tolerance.
 
 kernels: the attention and log-prob Pallas kernels (implementation="pallas": compiled, a
   kernel that does not compile is an error; interpreted only where JAX sees no GPU)
@@ -196,21 +197,24 @@ def logprob_case(shapes: KernelShapes, d: int, interpret: bool):
     return run
 
 
-def check_kernels(shapes: KernelShapes) -> dict:
+def check_kernels(shapes: KernelShapes, save=None) -> dict:
+    """Every case; `save(result so far)` after each, so a job stopped midway keeps them."""
     interpret = jax.default_backend() == "cpu"
     cases = {}
+    result = lambda: {"interpret": interpret, "shapes": dataclasses.asdict(shapes),
+                      "ok": all(c["ok"] for c in cases.values()), "cases": cases}
     for dtype in (jnp.float32, jnp.bfloat16):
-        for heads, kv_heads, head_dim in shapes.heads:
-            name = f"attention_{jnp.dtype(dtype).name}_h{heads}_kv{kv_heads}_d{head_dim}"
-            cases[name] = compare(attention_case(shapes, heads, kv_heads, head_dim,
-                                                 interpret), dtype)
+        runs = {f"attention_{jnp.dtype(dtype).name}_h{h}_kv{kv}_d{hd}":
+                lambda h=h, kv=kv, hd=hd: attention_case(shapes, h, kv, hd, interpret)
+                for h, kv, hd in shapes.heads}
+        runs.update({f"logprob_{jnp.dtype(dtype).name}_d{d}_v{shapes.vocab}":
+                     lambda d=d: logprob_case(shapes, d, interpret) for d in shapes.dims})
+        for name, case in runs.items():
+            cases[name] = compare(case(), dtype)
             _log(f"{name}: {json.dumps(cases[name])}")
-        for d in shapes.dims:
-            name = f"logprob_{jnp.dtype(dtype).name}_d{d}_v{shapes.vocab}"
-            cases[name] = compare(logprob_case(shapes, d, interpret), dtype)
-            _log(f"{name}: {json.dumps(cases[name])}")
-    return {"interpret": interpret, "shapes": dataclasses.asdict(shapes),
-            "ok": all(c["ok"] for c in cases.values()), "cases": cases}
+            if save:
+                save({**result(), "partial": True})
+    return result()
 
 
 # ----------------------------------------------------------------------------- train step
@@ -451,14 +455,15 @@ def run_job(job: Job, work: str, timeout_s: float) -> tuple[dict, str]:
         _stop_group(proc)
     with open(output_path, errors="replace") as f:
         tail = f.read()[-4000:]
-    if code is None:
-        result = {"error": f"timed out after {timeout_s:.0f} s"}
-    elif code != 0 or not os.path.exists(path):
-        last = [line for line in tail.splitlines() if line.strip()][-1:] or [""]
-        result = {"error": f"exit code {code}: {last[0][:500]}"}
-    else:
+    result = {}
+    if os.path.exists(path):  # complete, or what a part saved before it stopped
         with open(path) as f:
             result = json.load(f)
+    if code is None:
+        result["error"] = f"timed out after {timeout_s:.0f} s"
+    elif code != 0 or not result:
+        last = [line for line in tail.splitlines() if line.strip()][-1:] or [""]
+        result["error"] = f"exit code {code}: {last[0][:500]}"
     return {**result, "seconds": round(time.perf_counter() - start, 1)}, tail
 
 
@@ -593,7 +598,8 @@ def main(argv=None) -> dict:
             raise SystemExit(f"failed: {', '.join(bad)} (see {args.out}/gpu_check.json)")
         return result
     if args.part == "kernels":
-        result = check_kernels(TINY_KERNELS if args.tiny else GPU_KERNELS)
+        result = check_kernels(TINY_KERNELS if args.tiny else GPU_KERNELS,
+                               save=lambda partial: _write(args.json, partial))
     elif args.part == "step":
         result = time_step(args.preset, args.attention, args.row_len, args.segments,
                            args.steps, args.peak_tflops)
@@ -601,11 +607,19 @@ def main(argv=None) -> dict:
         result = check_decode(args.preset, args.dtype,
                               [int(b) for b in args.batch_sizes.split(",")],
                               args.new_tokens, args.prompt_len, args.repeats)
-    result = {**device_info(), **result}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+    result = _write(args.json, result)
     print(json.dumps(result))
+    return result
+
+
+def _write(path: str, result: dict) -> dict:
+    """The result with the device's description, written to `path` (if any) whole or not
+    at all (a job stopped while writing leaves the previous file)."""
+    result = {**device_info(), **result}
+    if path:
+        with open(path + ".tmp", "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(path + ".tmp", path)
     return result
 
 

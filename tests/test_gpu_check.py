@@ -96,7 +96,10 @@ def test_run_all_isolates_failing_hanging_and_unbudgeted_jobs(tmp_path):
     good.write_text(json.dumps({"value": 3}))
     jobs = [Job("good", ("json.tool", str(good), "{json}"), 30),
             Job("fails", ("json.tool", str(tmp_path / "missing.json"), "{json}"), 30),
-            Job("hangs", ("timeit", "-n", "1", "-r", "1", "import time; time.sleep(60)"), 5),
+            # Saves what it has so far, then hangs: stopped, its saved part is kept.
+            Job("hangs", ("timeit", "-n", "1", "-r", "1", "-s", "import json; "
+                          "json.dump({'cases': 1}, open('{json}', 'w'))",
+                          "import time; time.sleep(60)"), 5),
             Job("late", ("json.tool", str(good), "{json}"), 30),
             Job("after", ("json.tool", str(good), "{json}"), 30)]
     start = time.perf_counter()
@@ -107,6 +110,7 @@ def test_run_all_isolates_failing_hanging_and_unbudgeted_jobs(tmp_path):
     assert runs["fails"]["error"].startswith("exit code ") and "missing.json" in \
         runs["fails"]["error"]
     assert runs["hangs"]["error"] == "timed out after 5 s" and runs["hangs"]["seconds"] < 20
+    assert runs["hangs"]["cases"] == 1
     assert runs["late"]["error"] == runs["after"]["error"] == \
         "not run: the time budget was spent"
     assert gpu_check.failed(result) == ["fails", "hangs", "late", "after"]
