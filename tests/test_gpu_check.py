@@ -48,7 +48,8 @@ def test_all_tiny_runs_every_part_and_exits_0(tiny_run):
     for name in names:
         assert f"-> {name}: " in log
     assert set(result["summary"]["goals"]) == {
-        "mfu_1.7b_at_least_0.35", "decode_3x_hf_at_batch_32", "decode_greedy_agreement_1",
+        "mfu_1.7b_at_least_0.35", "decode_3x_hf_at_batch_32",
+        "decode_greedy_agreement_1_at_batch_32",
         "sync_0.6b_under_3_s"}
     assert result["total_s"] <= result["budget_s"]
 
@@ -182,3 +183,35 @@ def test_the_gpu_plan_asks_for_the_shapes_it_reports():
             assert dict(job.env)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.45"
     assert gpu_check.GPU_KERNELS.dims == (1024, 4096, 5120)
     assert gpu_check.GPU_KERNELS.vocab == 151936 and gpu_check.GPU_KERNELS.d_block is None
+
+
+def test_summary_goals_and_failures_from_job_results():
+    sync = lambda export_s, reload_s: {"export_s": export_s, "export_bytes": 10,
+                                       "reload_s": reload_s, "total_s": export_s + reload_s}
+    results = {
+        "kernels": {"ok": False, "interpret": False, "cases": {
+            "a": {"max": 0.5, "tolerance": 0.02, "ok": False},
+            "b": {"error": "KernelUnavailable", "ok": False}, "c": {"max": 1e-4, "ok": True}}},
+        "step/qwen3-1.7b/pallas": {"tokens_per_s": 9e3, "mfu": 0.36, "xla_mfu": 0.1,
+                                   "peak_gib": 50.0},
+        "decode/bfloat16": {"batches": {"32": {"speedup_vs_hf": 2.5, "greedy_agreement": 0.6}}},
+        "decode/float32": {"batches": {"32": {"speedup_vs_hf": 1.0, "greedy_agreement": 1.0}}},
+        # The first update includes the server's first load of a file: left out.
+        "sync/qwen3-0.6b": {"updates": [sync(9.0, 9.0), sync(1.0, 1.5), sync(1.2, 1.7)]},
+        "sync/qwen3-1.7b": {"error": "timed out after 75 s"},
+        "step/qwen3-0.6b/xla": {"tokens_per_s": 5.0},  # a JSON without its figures
+    }
+    summary = gpu_check.summarize(results)
+    figures = summary["figures"]
+    assert figures["kernels"] == {"ok": False, "interpret": False, "worst": 0.5,
+                                  "failed": ["a", "b"]}
+    assert figures["sync/qwen3-0.6b"] == pytest.approx(
+        {"export_s": 1.1, "export_bytes": 10, "reload_s": 1.6, "total_s": 2.7})
+    assert figures["step/qwen3-0.6b/xla"]["error"].startswith("no figures in its JSON")
+    assert summary["goals"] == {"mfu_1.7b_at_least_0.35": True,
+                                "decode_3x_hf_at_batch_32": False,
+                                "decode_greedy_agreement_1_at_batch_32": True,
+                                "sync_0.6b_under_3_s": True}
+    assert gpu_check.failed({"summary": summary, "jobs": results}) == [
+        "sync/qwen3-1.7b", "step/qwen3-0.6b/xla", "a", "b"]
+    assert set(gpu_check.summarize({})["goals"].values()) == {None}
