@@ -76,10 +76,10 @@ async def measure(args) -> dict:
         model_path=init, command=args.command, context_length=args.context_length,
         startup_timeout=args.startup_timeout, log_path=os.path.join(workdir, "server.log"),
         env={"XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction)}))
+    t0 = time.perf_counter()
+    launcher.start()  # a server that fails to start is closed there
+    _log(f"server healthy in {time.perf_counter() - t0:.0f} s (log {launcher.log_path})")
     try:  # the server and the exported files go whatever fails
-        t0 = time.perf_counter()
-        launcher.start()
-        _log(f"server healthy in {time.perf_counter() - t0:.0f} s (log {launcher.log_path})")
         info = sglang.server_info(launcher.url)
         client = sglang.SGLangClient([launcher.url], model_config=cfg, export_dtype=args.dtype,
                                      export_dir=os.path.join(workdir, "exports"),
