@@ -1,8 +1,9 @@
 """Generation throughput of the embedded JAX engine vs its matmul bound and HF `generate`.
 
-All three run in one process on the same random Qwen3 in float32 (the `tiny` preset by
+All three run on the same random Qwen3 in float32 (the `tiny` preset by
 default; --hidden/--vocab/--layers change its shape): the JAX weights are exported
-with models.hf_io.save_hf and loaded by transformers. Each batch size generates
+with models.hf_io.save_hf and loaded by transformers in a process of its own
+(bench/hf_generate.py; HF times its own calls). Each batch size generates
 exactly `new_tokens` greedy tokens after a `prompt_len`-token prompt; tokens/s counts
 generated tokens over the wall time of the whole call (prefill included; the engine's
 calls come from one event loop, as a rollout's do, not a new loop per call), best of
@@ -29,8 +30,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,17 +64,38 @@ def _jax_runner(engine: EmbeddedEngine, loop: asyncio.AbstractEventLoop, prompts
     return run
 
 
-def _hf_runner(model, torch, prompts: np.ndarray, new_tokens: int):
-    ids = torch.tensor(prompts, dtype=torch.long)
+class HFGenerate:
+    """bench/hf_generate.py in a process of its own (transformers must not share this
+    process's sys.path: see there); a context manager."""
 
-    def run():
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 pad_token_id=0, eos_token_id=None)
-        return out[:, ids.shape[1]:].numpy()
+    SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_generate.py")
 
-    return run
+    def __init__(self, hf_dir: str):
+        self.proc = subprocess.Popen([sys.executable, "-I", self.SCRIPT, hf_dir],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     cwd=hf_dir)
+        self.torch_threads = self._answer()["torch_threads"]
+
+    def _answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench/hf_generate.py exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def generate(self, prompts: np.ndarray, new_tokens: int) -> tuple[np.ndarray, float]:
+        """Greedy tokens [batch, new_tokens] and the seconds `generate` took."""
+        self.proc.stdin.write(json.dumps({"prompts": prompts.tolist(),
+                                          "new_tokens": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        answer = self._answer()
+        return np.asarray(answer["tokens"]), answer["seconds"]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.stdin.close()
+        self.proc.wait(60)
 
 
 def _projections(model) -> tuple[list[tuple[jax.Array, ...]], jax.Array]:
@@ -126,30 +150,9 @@ def _model(args) -> qwen3.Qwen3:
     return qwen3.Qwen3(dataclasses.replace(cfg, **overrides), rngs=nnx.Rngs(args.seed))
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--batch-sizes", default="1,8,32,64")
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preset", default="tiny")
-    p.add_argument("--hidden", type=int, default=0, help="hidden size (intermediate 3x)")
-    p.add_argument("--vocab", type=int, default=0)
-    p.add_argument("--layers", type=int, default=0)
-    args = p.parse_args(argv)
-    import torch
-    import transformers
-
-    model = _model(args)
+def _measure(args, model, engine, hf: HFGenerate, batch_sizes: list[int]) -> dict:
+    """Per batch size: best tokens/s of each runner, fraction of the bound, agreement."""
     cfg = model.cfg
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    engine = EmbeddedEngine(model, max_batch=max(batch_sizes),
-                            max_len=args.prompt_len + args.new_tokens, seed=args.seed)
-    with tempfile.TemporaryDirectory() as hf_dir:
-        hf_io.save_hf(model, cfg, hf_dir)
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(
-            hf_dir, dtype=torch.float32).eval()
     rng = np.random.default_rng(args.seed)
     loop = asyncio.new_event_loop()  # one caller's loop for every call, as a rollout has
     rows = {}
@@ -158,16 +161,20 @@ def main(argv=None) -> dict:
         runners = {"embedded": _jax_runner(engine, loop, prompts, args.new_tokens, False),
                    "embedded_logprobs": _jax_runner(engine, loop, prompts, args.new_tokens,
                                                     True),
-                   "hf": _hf_runner(hf_model, torch, prompts, args.new_tokens),
+                   "hf": functools.partial(hf.generate, prompts, args.new_tokens),
                    "matmul_bound": _bound_runner(model, batch, args.prompt_len,
                                                  args.new_tokens)}
         outputs = {name: run() for name, run in runners.items()}  # warm-up: compilation
+        outputs["hf"] = outputs["hf"][0]
         best = {name: float("inf") for name in runners}
         for _ in range(args.repeats):
             for name, run in runners.items():
                 start = time.perf_counter()
                 out = run()
-                best[name] = min(best[name], time.perf_counter() - start)
+                elapsed = time.perf_counter() - start
+                if name == "hf":  # timed inside the HF process, not across the pipe
+                    out, elapsed = out
+                best[name] = min(best[name], elapsed)
                 if name != "matmul_bound":
                     outputs[name] = out
         tps = {name: batch * args.new_tokens / t for name, t in best.items()}
@@ -185,12 +192,36 @@ def main(argv=None) -> dict:
             "logprobs_speedup_vs_hf": round(tps["embedded_logprobs"] / tps["hf"], 2),
             "greedy_token_agreement": round(min(agree, agree_logprobs), 3)}
         _log(f"batch {batch}: {rows[str(batch)]}")
-    engine.close()
     loop.close()
+    return rows
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch-sizes", default="1,8,32,64")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--hidden", type=int, default=0, help="hidden size (intermediate 3x)")
+    p.add_argument("--vocab", type=int, default=0)
+    p.add_argument("--layers", type=int, default=0)
+    args = p.parse_args(argv)
+    model = _model(args)
+    cfg = model.cfg
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    engine = EmbeddedEngine(model, max_batch=max(batch_sizes),
+                            max_len=args.prompt_len + args.new_tokens, seed=args.seed)
+    with tempfile.TemporaryDirectory() as hf_dir:
+        hf_io.save_hf(model, cfg, hf_dir)
+        with HFGenerate(hf_dir) as hf:
+            rows = _measure(args, model, engine, hf, batch_sizes)
+    engine.close()
     result = {"model": {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
                         "num_layers": cfg.num_layers, "preset": args.preset},
               "dtype": cfg.dtype, "device": jax.devices()[0].platform,
-              "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+              "torch_threads": hf.torch_threads, "cpus": os.cpu_count(),
               "load_average": [round(x, 2) for x in os.getloadavg()],
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "batches": rows}
     print(json.dumps(result))
