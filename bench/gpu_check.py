@@ -33,8 +33,8 @@ step: rl.learner's train step (compiled once, state donated) at a preset's shape
   is the device's peak_bytes_in_use.
 decode: the embedded engine against HF `generate` on the same random weights, greedy,
   exactly --new-tokens each, tokens/s over whole calls (best of --repeats after a
-  warm-up), their ratio and the share of equal tokens. HF runs in a separate
-  interpreter (bench/hf_generate.py) that never sees this repository on sys.path.
+  warm-up), their ratio and the share of equal tokens. HF runs in an isolated
+  interpreter of its own (bench/hf_generate.py), on the GPU when torch sees one.
   float32 runs at "highest" precision on both sides (no TF32).
 sync: `python -m bench.weight_sync` (export to HF safetensors + reload of the
   SGLang-protocol inference.server) per preset; per update: export seconds and bytes,
@@ -70,6 +70,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench.engine import HFGenerate
 from bench.learner import model_flops
 from configs import common
 from inference.embedded import EmbeddedEngine
@@ -82,7 +83,6 @@ from rl import learner
 from rl.batch import Batch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HF_SCRIPT = os.path.join(ROOT, "bench", "hf_generate.py")
 # Largest error relative to the output's scale that a compiled kernel may show.
 TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2}
 # bf16 dense (no sparsity) peak FLOP/s from the data sheets (SXM parts); the first
@@ -295,32 +295,24 @@ def time_step(preset: str, attention_impl: str, row_len: int, segments: int, ste
 # ----------------------------------------------------------------------------- decode
 
 
-def _without_repo(env: dict) -> dict:
-    """The environment minus this repository on PYTHONPATH."""
-    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-             if p and os.path.realpath(p) != os.path.realpath(ROOT)]
-    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
-
-
 def hf_generate(model, cfg, prompts: np.ndarray, sizes, new_tokens: int, repeats: int) -> dict:
-    """bench/hf_generate.py on `model`'s weights (written by hf_io.save_hf) in an
-    interpreter started with -P in a directory outside the repository."""
-    with tempfile.TemporaryDirectory(prefix="gpu_check_hf_") as work:
-        hf_io.save_hf(model, cfg, os.path.join(work, "model"))
-        request = {"model_dir": os.path.join(work, "model"), "dtype": cfg.dtype,
-                   "prompts": prompts.tolist(), "batch_sizes": list(sizes),
-                   "new_tokens": new_tokens, "repeats": repeats}
-        with open(os.path.join(work, "request.json"), "w") as f:
-            json.dump(request, f)
-        done = subprocess.run([sys.executable, "-P", HF_SCRIPT, "request.json", "result.json"],
-                              cwd=work, env=_without_repo(dict(os.environ)),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        _log(done.stdout[-3000:])
-        if done.returncode:
-            raise RuntimeError(f"HF generate exited with {done.returncode}: "
-                               f"{done.stdout[-1500:]}")
-        with open(os.path.join(work, "result.json")) as f:
-            return json.load(f)
+    """HF `generate` on `model`'s weights as hf_io.save_hf writes them, in transformers'
+    own process (bench.engine.HFGenerate): per batch size a short warm-up, then the
+    best of `repeats` calls."""
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_hf_") as hf_dir:
+        hf_io.save_hf(model, cfg, hf_dir)
+        with HFGenerate(hf_dir) as hf:
+            for batch in sizes:
+                hf.generate(prompts[:batch], min(8, new_tokens))
+                runs = [hf.generate(prompts[:batch], new_tokens) for _ in range(repeats)]
+                tokens, seconds = min(runs, key=lambda run: run[1])
+                out[str(batch)] = {"seconds": seconds,
+                                   "tokens_per_s": batch * new_tokens / seconds,
+                                   "output_ids": tokens.tolist()}
+                _log(f"hf batch {batch}: {out[str(batch)]['tokens_per_s']:.1f} tokens/s")
+            threads = hf.torch_threads
+    return {"torch_threads": threads, "batches": out}
 
 
 def embedded_generate(model, prompts: np.ndarray, sizes, new_tokens: int, repeats: int
@@ -375,9 +367,7 @@ def check_decode(preset: str, dtype: str, sizes, new_tokens: int, prompt_len: in
                        "speedup_vs_hf": round(mine / theirs, 2),
                        "greedy_agreement": round(equal, 4), "agreed_prefix": round(prefix, 4)}
     return {"preset": preset, "dtype": dtype, "prompt_len": prompt_len,
-            "new_tokens": new_tokens, "hf": {k: hf[k] for k in ("device", "torch",
-                                                                 "transformers")},
-            "batches": rows}
+            "new_tokens": new_tokens, "hf_torch_threads": hf["torch_threads"], "batches": rows}
 
 
 # ----------------------------------------------------------------------------- all

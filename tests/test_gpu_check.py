@@ -80,7 +80,7 @@ def test_all_tiny_step_decode_and_sync_figures(tiny_run):
     losses = [jobs[f"step/tiny/{impl}"]["loss"] for impl in ("xla", "reference")]
     assert losses[0] == pytest.approx(losses[1], rel=1e-3)  # same step, other attention
     decode = jobs["decode/float32"]
-    assert list(decode["batches"]) == ["1", "3"] and decode["hf"]["device"] == "cpu"
+    assert list(decode["batches"]) == ["1", "3"] and decode["hf_torch_threads"] >= 1
     for row in decode["batches"].values():
         assert row["greedy_agreement"] == 1.0 and row["agreed_prefix"] == 1.0
         assert row["speedup_vs_hf"] == pytest.approx(
