@@ -43,7 +43,7 @@ sync: `python -m bench.weight_sync` (export to HF safetensors + reload of the
 On the GPU machine (JAX with CUDA, torch and transformers installed; ml-collections is
 not), the wheels of scripts/gpu_check_wheels.sh travel with the tree:
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
-    && PYTHONPATH=/tmp/site python3 -m bench.gpu_check all --out $OUT
+    && PYTHONPATH=/tmp/site python3 -m bench.gpu_check all --out results/gpu
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
 # Then, on the GPU machine, from the repository root:
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-#     && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 -m bench.gpu_check all --out "$OUT"
+#     && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 -m bench.gpu_check all --out results/gpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python3}
