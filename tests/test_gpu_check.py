@@ -181,6 +181,10 @@ def test_the_gpu_plan_asks_for_the_shapes_it_reports():
             assert (args.preset, args.batch_sizes, args.new_tokens) == (
                 "qwen3-0.6b", "1,32,128", 256)
             assert dict(job.env)["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.45"
+    assert [j.name for j in gpu_check.select(list(jobs.values()), "step/qwen3-1.7b, sync")] \
+        == ["sync/qwen3-0.6b", "step/qwen3-1.7b/pallas", "step/qwen3-1.7b/xla",
+            "sync/qwen3-1.7b"]
+    assert gpu_check.select(list(jobs.values()), "") == list(jobs.values())
     assert gpu_check.GPU_KERNELS.dims == (1024, 4096, 5120)
     assert gpu_check.GPU_KERNELS.vocab == 151936 and gpu_check.GPU_KERNELS.d_block is None
 
