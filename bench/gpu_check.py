@@ -254,6 +254,8 @@ class _Collect(logging.Handler):
 
 def time_step(preset: str, attention_impl: str, row_len: int, segments: int, steps: int,
               peak_tflops: float = 0.0) -> dict:
+    """rl.learner's step (its step_fn, jitted with the state donated as train_step does)
+    compiled once, run once untimed, then `steps` times: seconds, tokens/s, MFU, memory."""
     cfg = dataclasses.replace(PRESETS[preset], dtype="bfloat16", param_dtype="float32",
                               remat="full", attention=attention_impl)
     fallbacks = _Collect()
