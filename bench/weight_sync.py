@@ -61,7 +61,6 @@ async def measure(args) -> dict:
     from flax import nnx
 
     from inference import sglang
-    from inference.engine import GenerateRequest
     from models import hf_io, qwen3
 
     cfg = qwen3.PRESETS[args.preset]
@@ -81,30 +80,21 @@ async def measure(args) -> dict:
              **({"PYTHONPATH": sglang.REPOSITORY} if "-m inference.server" in args.command
                 else {})}))
     t0 = time.perf_counter()
-    launcher.start()
+    launcher.start()  # a server that fails to start is closed there
     _log(f"server healthy in {time.perf_counter() - t0:.0f} s (log {launcher.log_path})")
-    info = sglang.server_info(launcher.url)
-    client = sglang.SGLangClient([launcher.url], model_config=cfg, export_dtype=args.dtype,
-                                 export_dir=os.path.join(workdir, "exports"),
-                                 launchers=[launcher])
-    probe = GenerateRequest(list(range(1, 17)), 8, temperature=0.0)
-    updates, outputs = [], [(await client.generate([probe]))[0].output_ids]
-    try:
-        for i in range(args.updates):
-            params = jax.tree.map(lambda x, i=i: x * (1.0 + 0.5 * (i + 1)), params)
-            jax.block_until_ready(params)
-            t0 = time.perf_counter()
-            await client.update_weights(params)
-            total = time.perf_counter() - t0
-            outputs.append((await client.generate([probe]))[0].output_ids)
-            stats = client.update_stats()
-            updates.append({"total_s": total, **{k.removeprefix("sync/"): v
-                                                 for k, v in stats.items()}})
-            _log(f"update {i + 1}: {json.dumps(updates[-1])}")
+    try:  # the server and the exported files go whatever fails
+        info = sglang.server_info(launcher.url)
+        client = sglang.SGLangClient([launcher.url], model_config=cfg, export_dtype=args.dtype,
+                                     export_dir=os.path.join(workdir, "exports"),
+                                     launchers=[launcher])
+        try:
+            updates, outputs = await _updates(client, params, args.updates)
+        finally:
+            await client.aclose()
+        exports = sorted(os.listdir(os.path.join(workdir, "exports")))
     finally:
-        await client.aclose()
-    exports = sorted(os.listdir(os.path.join(workdir, "exports")))
-    shutil.rmtree(workdir)
+        launcher.close()
+        shutil.rmtree(workdir, ignore_errors=True)
     return {"preset": args.preset, "dtype": args.dtype, "device": str(jax.devices()[0]),
             "server": args.command.split(" -m ")[-1].split()[0],
             "server_version": info.get("version"),
@@ -112,6 +102,29 @@ async def measure(args) -> dict:
             "updates": updates, "outputs_changed": [a != b for a, b in
                                                     zip(outputs, outputs[1:], strict=False)],
             "exports_left": exports}
+
+
+async def _updates(client, params, count: int) -> tuple[list[dict], list[list[int]]]:
+    """`count` timed updates of perturbed parameters; (per-update stats, the greedy
+    output of a probe request before the first update and after each)."""
+    import jax
+
+    from inference.engine import GenerateRequest
+
+    probe = GenerateRequest(list(range(1, 17)), 8, temperature=0.0)
+    updates, outputs = [], [(await client.generate([probe]))[0].output_ids]
+    for i in range(count):
+        params = jax.tree.map(lambda x, i=i: x * (1.0 + 0.5 * (i + 1)), params)
+        jax.block_until_ready(params)
+        t0 = time.perf_counter()
+        await client.update_weights(params)
+        total = time.perf_counter() - t0
+        outputs.append((await client.generate([probe]))[0].output_ids)
+        stats = client.update_stats()
+        updates.append({"total_s": total, **{k.removeprefix("sync/"): v
+                                             for k, v in stats.items()}})
+        _log(f"update {i + 1}: {json.dumps(updates[-1])}")
+    return updates, outputs
 
 
 def _log(message: str) -> None:
