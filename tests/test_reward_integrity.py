@@ -16,6 +16,7 @@ import io
 import os
 import shlex
 import shutil
+import subprocess
 import tarfile
 import tempfile
 
@@ -365,3 +366,106 @@ def test_pool_exchange_keeps_the_slot(unittest_task):
         with pytest.raises(ValueError, match="fresh grading opens a new sandbox"):
             Episode(sandbox, unittest_task)
         assert grade(unittest_task, sandbox).reward == 0.0  # in place, as before
+
+
+# ---- no future history ---------------------------------------------------------------------------
+
+MARK = "FUTURE" + "FIX"  # in every later commit, never in the base's history
+REACH = (f"git log --all --format='%H %s'; git tag; git branch -a; git stash list; git reflog; "
+         f"git remote -v; git notes list; git rev-list --all | wc -l; "
+         f"git cat-file --batch-all-objects --batch | grep -c {MARK}; "
+         "git cat-file --batch-all-objects --batch-check")
+
+
+def git(root: str, *args: str) -> str:
+    return subprocess.run(["git", "-C", root, "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def later_history(tmp_path_factory):
+    """(repository, base commit, later commits): a clone whose HEAD is the fix, with a
+    tag, another branch, a stash, a note and a remote, all after the base."""
+    root = str(tmp_path_factory.mktemp("history"))
+    os.chmod(root, 0o755)
+    git(root, "init", "-q")
+    for path, text in PYTEST_FILES.items():
+        os.makedirs(os.path.join(root, os.path.dirname(path)), exist_ok=True)
+        with open(os.path.join(root, path), "w") as f:
+            f.write(text)
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "base")
+    base = git(root, "rev-parse", "HEAD")
+    with open(os.path.join(root, "calc.py"), "w") as f:
+        f.write(f"def add(a, b):  # {MARK}\n    return a + b\n")
+    git(root, "commit", "-qam", f"{MARK} add")
+    later = [git(root, "rev-parse", "HEAD")]
+    git(root, "tag", "-a", "v1", "-m", f"{MARK} tag")
+    git(root, "notes", "add", "-m", f"{MARK} note", base)
+    git(root, "checkout", "-qb", "other", base)
+    with open(os.path.join(root, "other.py"), "w") as f:
+        f.write(f"# {MARK}\n")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", f"{MARK} other")
+    later.append(git(root, "rev-parse", "HEAD"))
+    with open(os.path.join(root, "other.py"), "a") as f:
+        f.write(f"# {MARK} stash\n")
+    git(root, "stash", "-q")
+    git(root, "checkout", "-q", "master")
+    git(root, "remote", "add", "origin", "https://example.invalid/repo.git")
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            os.chmod(os.path.join(dirpath, name), 0o755 if name in dirs else 0o644)
+    return root, base, later
+
+
+def assert_only_base(sandbox, base: str, later: list[str]) -> None:
+    out = sandbox.run(REACH).output
+    assert sandbox.run("git rev-parse HEAD").output.strip() == base
+    assert MARK not in out and not any(sha in out for sha in later), out
+    lines = out.splitlines()
+    assert lines[0] == f"{base} base" and "1" in lines and "0" in lines, out
+    for sha in later:
+        shown = sandbox.run(f"git show {sha}")
+        assert shown.exit_code == 128 and MARK not in shown.output, shown
+    assert sandbox.patch() == ""
+
+
+def test_local_repositories_hold_no_later_commit(later_history):
+    root, base, later = later_history
+    git(root, "show", later[0])  # (the reference: there, it is)
+    with sandbox_factory("local")(Task("h", "x", repo_dir=root, base_commit=base)) as sb:
+        assert_only_base(sb, base, later)
+
+
+@pytest.mark.docker
+def test_docker_repositories_hold_no_later_commit(request, later_history, tmp_path):
+    """An image built by scripts/build_repo_image.sh, and one holding the whole clone
+    (its history is cut when the sandbox starts)."""
+    root, base, later = later_history
+    client = request.getfixturevalue("docker_client")
+    ensure_image(client)
+    built = "swe-sandbox:integrity-history"
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "scripts", "build_repo_image.sh")
+    subprocess.run([script, built, root, base], check=True, capture_output=True, timeout=300)
+    clone = str(tmp_path / "testbed")
+    subprocess.run(["git", "clone", "-q", root, clone], check=True)
+    git(clone, "checkout", "-q", base)
+    git(clone, "fetch", "-q", "origin", "refs/stash:refs/stash", "refs/notes/*:refs/notes/*")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        tar.add(clone, arcname="testbed")
+    container = client.containers.create(ensure_image(client), "true")
+    try:
+        container.put_archive("/", buf.getvalue())
+        whole = container.commit("swe-sandbox", "integrity-whole-clone").id
+    finally:
+        container.remove(force=True)
+    assert MARK in subprocess.run(["git", "-C", clone, "log", "--all"], capture_output=True,
+                                  text=True).stdout
+    defaults = docker_defaults(request)
+    for image in (built, whole):
+        with sandbox_factory("docker", **{**defaults, "image": image})(
+                Task("h", "x", image=image, base_commit=base)) as sb:
+            assert_only_base(sb, base, later)
