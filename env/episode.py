@@ -6,6 +6,10 @@ An episode's history is a list of `StepRecord(tool_call, observation, patch)`;
 k, or with `reexec=True` by re-running the k calls and reporting every observation
 that came out differently.
 
+The reward grades the episode's final patch in a new sandbox of the task by default
+(`grading="fresh"`, env.grading.grade_patch), so that nothing the agent left outside
+its patch reaches it; `grading="in_place"` grades the episode's own sandbox.
+
 Infrastructure failures (`SandboxError`), and any other exception out of the sandbox
 or the tools (a bad task row, a bug), end the episode with status `env_error` and no
 reward, the exception in `error`; they are never a reward of 0. A malformed tool call

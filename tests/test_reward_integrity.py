@@ -469,3 +469,20 @@ def test_docker_repositories_hold_no_later_commit(request, later_history, tmp_pa
         with sandbox_factory("docker", **{**defaults, "image": image})(
                 Task("h", "x", image=image, base_commit=base)) as sb:
             assert_only_base(sb, base, later)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sitecustomize_in_the_patch_scores_zero(request, backend, unittest_task):
+    """With the repository on PYTHONPATH (as an editable install puts it), a
+    `sitecustomize.py` at its root runs before the tests: one that prints every test
+    as passed scores 1 without test protection, 0 with it, graded fresh."""
+    factory = factory_for(request, backend)
+    task = dataclasses.replace(unittest_task, env_setup="export PYTHONPATH=$PWD")
+    fake = ("import sys\nif sys.argv[:1] != ['-c']:\n" + "".join(
+        f"    print('{t.rsplit('.', 1)[1]} ({t}) ... ok')\n" for t in task.tests)
+        + "    print('OK')\n    raise SystemExit(0)\n")
+    commands = [f"printf %s {shlex.quote(fake)} > sitecustomize.py"]
+    open_task = dataclasses.replace(task, protect_tests=False)
+    assert run_episode(factory, open_task, commands, "fresh")[0] == 1.0
+    reward, episode = run_episode(factory, task, commands, "fresh")
+    assert (reward, episode.error) == (0.0, ""), episode.test_output[-2000:]

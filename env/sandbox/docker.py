@@ -13,6 +13,10 @@ command may write files up to `file_size_bytes` (ulimit -f), the writable layer 
 capped at `disk_bytes` where the storage driver allows, and `patch()` reads at most
 `max_patch_bytes` + 1 bytes.
 
+The repository keeps only its base commit's history: at start, an image's repository
+with other branches, tags, remotes, a stash or reflogs loses them and the objects they
+held (shell.only_base_history), so no command can read a later commit.
+
 Every Docker failure (engine unreachable, container gone, API error) raises
 `SandboxError`; a missing file raises FileNotFoundError and a patch that does not
 apply raises ValueError, as for every backend.
