@@ -465,10 +465,14 @@ def test_docker_repositories_hold_no_later_commit(request, later_history, tmp_pa
     assert MARK in subprocess.run(["git", "-C", clone, "log", "--all"], capture_output=True,
                                   text=True).stdout
     defaults = docker_defaults(request)
-    for image in (built, whole):
-        with sandbox_factory("docker", **{**defaults, "image": image})(
-                Task("h", "x", image=image, base_commit=base)) as sb:
-            assert_only_base(sb, base, later)
+    try:
+        for image in (built, whole):
+            with sandbox_factory("docker", **{**defaults, "image": image})(
+                    Task("h", "x", image=image, base_commit=base)) as sb:
+                assert_only_base(sb, base, later)
+    finally:
+        for image in (built, whole):
+            client.images.remove(image, force=True)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
