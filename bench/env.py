@@ -3,6 +3,7 @@
     python -m bench.env [--levels 1,4,8,16,32] [--per_slot 2] [--image swe-sandbox:test]
     python -m bench.env --levels 8 --hosts unix:///var/run/docker.sock,unix:///var/run/docker-2.sock
     python -m bench.env --backends local --old 3277056
+    python -m bench.env --levels 4 --per_slot 4 --old ''    # fresh vs in-place grading only
 
 The local backend runs twice at each level: this tree's, and the one of `--old` (a
 commit, read from git: its env/sandbox/local.py, supervise.py and supervisor.py,
@@ -16,6 +17,12 @@ concurrency level c, `c * per_slot` episodes run on c threads; a level counts as
 clean when every episode ends `finished` with the reward its demo should earn and
 no container outlives the run. Prints one JSON object: episodes/s per level, the
 largest clean Docker concurrency, and the Docker/local ratio at each level.
+
+Grading: `local` and `docker` rows grade fresh (each episode's patch in a new sandbox,
+the default); `local_in_place` and `docker_in_place` grade the same episodes in the
+episode's own sandbox, and `fresh_over_in_place` is the ratio of their episodes/s per
+backend and level (the cost of fresh grading). `--old ''` leaves out the old local
+backend.
 
 With --hosts (Docker engine URLs), the largest level also runs on a fleet of the
 first 1, 2, ... of those engines (env.sandbox.fleet, each engine holding at most
@@ -40,10 +47,10 @@ from env.episode import Episode, sandbox_factory, sandbox_spec
 from env.miniswe import expert_demo, generate_tasks
 
 
-def run_episode(factory, task) -> str:
+def run_episode(factory, task, grading: str = "fresh") -> str:
     """'' when the expert episode ended as it should, else what went wrong."""
     demo = expert_demo(task)
-    with Episode(factory, task) as episode:
+    with Episode(factory, task, grading=grading) as episode:
         episode.reset()
         for tool_call in demo.calls:
             if episode.done:
@@ -55,10 +62,10 @@ def run_episode(factory, task) -> str:
     return ""
 
 
-def measure(factory, tasks, concurrency: int) -> dict:
+def measure(factory, tasks, concurrency: int, grading: str = "fresh") -> dict:
     start = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        outcomes = list(pool.map(lambda t: _guarded(factory, t), tasks))
+        outcomes = list(pool.map(lambda t: _guarded(factory, t, grading), tasks))
     seconds = time.perf_counter() - start
     errors = [o for o in outcomes if o]
     return {"concurrency": concurrency, "episodes": len(tasks), "seconds": round(seconds, 2),
@@ -66,9 +73,9 @@ def measure(factory, tasks, concurrency: int) -> dict:
             "first_error": errors[0] if errors else ""}
 
 
-def _guarded(factory, task) -> str:
+def _guarded(factory, task, grading: str) -> str:
     try:
-        return run_episode(factory, task)
+        return run_episode(factory, task, grading)
     except Exception as e:  # noqa: BLE001 - a crash is a benchmark error to report
         return f"{task.instance_id}: {type(e).__name__}: {e}"
 
@@ -110,19 +117,31 @@ def _with_read_errors(old_cls):
 
 
 def measure_local(tasks, levels: list[int], per_slot: int, old: str) -> dict:
-    """Old and new local sandboxes, one after the other at each level."""
-    rows: dict = {"local": [], "local_old": []}
+    """New local sandboxes graded fresh and in place, and (with `old`) the old ones, one
+    after the other at each level."""
+    rows: dict = {"local": [], "local_in_place": [], **({"local_old": []} if old else {})}
     with tempfile.TemporaryDirectory() as root:
-        factories = {"local_old": old_local_factory(old, root),
-                     "local": sandbox_factory("local")}
+        factories = {"local": sandbox_factory("local")}
+        if old:
+            factories["local_old"] = old_local_factory(old, root)
         for c in levels:
             for name, factory in factories.items():
                 print(f"{name} c={c}", file=sys.stderr)
                 rows[name].append(measure(factory, tasks[:c * per_slot], c))
-    rows["local_new_over_old"] = {
-        str(new["concurrency"]): round(new["episodes_per_s"] / was["episodes_per_s"], 2)
-        for new, was in zip(rows["local"], rows["local_old"], strict=True)}
+            print(f"local in place c={c}", file=sys.stderr)
+            rows["local_in_place"].append(measure(factories["local"], tasks[:c * per_slot], c,
+                                                  "in_place"))
+    if old:
+        rows["local_new_over_old"] = {
+            str(new["concurrency"]): round(new["episodes_per_s"] / was["episodes_per_s"], 2)
+            for new, was in zip(rows["local"], rows["local_old"], strict=True)}
     return rows
+
+
+def fresh_over_in_place(fresh: list[dict], in_place: list[dict]) -> dict[str, float]:
+    """episodes/s graded fresh / graded in place, per concurrency level."""
+    return {str(f["concurrency"]): round(f["episodes_per_s"] / i["episodes_per_s"], 3)
+            for f, i in zip(fresh, in_place, strict=True)}
 
 
 def docker_factory(image: str, max_concurrency: int):
@@ -176,9 +195,12 @@ def main() -> None:
     tasks = generate_tasks(max(levels) * args.per_slot, seed=args.seed)
 
     result: dict = {"levels": levels, "per_slot": args.per_slot, "cpus": os.cpu_count(),
-                    "load": {"before": os.getloadavg()}, "local": [], "docker": []}
+                    "load": {"before": os.getloadavg()}, "local": [], "docker": [],
+                    "fresh_over_in_place": {}}
     if "local" in backends:
         result.update(measure_local(tasks, levels, args.per_slot, args.old))
+        result["fresh_over_in_place"]["local"] = fresh_over_in_place(
+            result["local"], result["local_in_place"])
 
     factory, live = docker_factory(args.image, max(levels)) if "docker" in backends else (
         None, "not asked for (--backends)")
@@ -186,13 +208,18 @@ def main() -> None:
         result["docker_unavailable"] = live
     else:
         before = live()
+        result["docker_in_place"] = []
         for c in levels:
-            print(f"docker c={c}", file=sys.stderr)
-            row = measure(factory, tasks[:c * args.per_slot], c)
-            row["leaked_containers"] = live() - before
-            result["docker"].append(row)
-        clean = [r["concurrency"] for r in result["docker"]
-                 if not r["errors"] and not r["leaked_containers"]]
+            for grading, key in (("fresh", "docker"), ("in_place", "docker_in_place")):
+                print(f"docker {grading} c={c}", file=sys.stderr)
+                row = measure(factory, tasks[:c * args.per_slot], c, grading)
+                row["leaked_containers"] = live() - before
+                result[key].append(row)
+        result["fresh_over_in_place"]["docker"] = fresh_over_in_place(
+            result["docker"], result["docker_in_place"])
+        pairs = zip(result["docker"], result["docker_in_place"], strict=True)
+        clean = [f["concurrency"] for f, i in pairs
+                 if not any(r["errors"] or r["leaked_containers"] for r in (f, i))]
         result["docker_max_clean_concurrency"] = max(clean, default=0)
         if result["local"]:
             result["docker_over_local_throughput"] = {

@@ -130,6 +130,12 @@ def sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------ shared sections
 
+# rollout.grading: "fresh" grades each episode's final patch in a new sandbox of the task
+# at its base commit, as the official harness does; "in_place" grades the episode's own
+# sandbox (one sandbox less per episode, but what the agent left outside its patch, e.g.
+# a .pth file in site-packages, reaches the reward). env.episode.Episode.
+GRADING = "fresh"
+
 
 def sandbox_defaults() -> dict[str, Any]:
     """The sandbox keys of the `env` section.

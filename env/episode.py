@@ -6,6 +6,10 @@ An episode's history is a list of `StepRecord(tool_call, observation, patch)`;
 k, or with `reexec=True` by re-running the k calls and reporting every observation
 that came out differently.
 
+The reward grades the episode's final patch in a new sandbox of the task by default
+(`grading="fresh"`, env.grading.grade_patch), so that nothing the agent left outside
+its patch reaches it; `grading="in_place"` grades the episode's own sandbox.
+
 Infrastructure failures (`SandboxError`), and any other exception out of the sandbox
 or the tools (a bad task row, a bug), end the episode with status `env_error` and no
 reward, the exception in `error`; they are never a reward of 0. A malformed tool call
@@ -19,7 +23,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from env.grading import GradeCache, grade
+from env.grading import GRADINGS, GradeCache, SandboxOpener, grade, grade_patch
 from env.sandbox import make_sandbox
 from env.sandbox.base import Sandbox, SandboxError
 from env.tasks import Task
@@ -114,16 +118,31 @@ class Episode:
 
     status: "running", then one of "finished" (finish called), "max_steps",
     "env_error" (the sandbox failed; `error` says how; reward is None).
+    grading: "fresh" (default): `reward()` closes the episode's sandbox and grades its
+    final patch in a new one from `grader` (default: the sandbox factory), as the
+    official harness does (env.grading.grade_patch); "in_place": in the episode's own
+    sandbox, whose state outside the patch (site-packages, home directory, ignored
+    files) then reaches the grade: faster, and open to reward hacking.
     grades: a GradeCache shared by the episodes of a run (None: every episode runs its
-    tests); `grade_cached` says whether the reward came from it.
+    tests), for fresh grading only; `grade_cached` says whether the reward came from it.
     """
 
     def __init__(self, sandbox_factory: SandboxFactory | Sandbox, task: Task | None = None, *,
                  max_steps: int = 30, test_timeout: float = 300.0,
                  prompt_template: str = "{problem_statement}",
-                 grades: GradeCache | None = None, **tool_kwargs: Any):
+                 grades: GradeCache | None = None, grading: str = "fresh",
+                 grader: SandboxOpener | None = None, **tool_kwargs: Any):
+        if grading not in GRADINGS:
+            raise ValueError(f"grading must be one of {GRADINGS}, got {grading!r}")
+        if grader is None and not isinstance(sandbox_factory, Sandbox):
+            grader = sandbox_factory
+        if grading == "fresh" and grader is None:
+            raise ValueError("fresh grading opens a new sandbox: give a sandbox factory, or "
+                             "grader= with one sandbox (or grading='in_place')")
         self._factory = sandbox_factory
-        self.grades = grades
+        self.grading = grading
+        self._grader = grader
+        self.grades = grades if grading == "fresh" else None
         self.grade_cached = False
         self.task = task
         self.max_steps = max_steps
@@ -217,10 +236,11 @@ class Episode:
 
     def reward(self) -> float | None:
         """Grades the task's tests once (env.grading): 1.0 or 0.0; None on env_error,
-        which a run in which the tests never ran also is."""
+        which a run in which the tests never ran also is. Fresh grading closes the
+        episode's sandbox first."""
         if not self._graded and self.status != "env_error":
-            if self.sandbox is None:
-                raise RuntimeError("reward() needs an open sandbox (before close())")
+            if self.sandbox is None and self.grading == "in_place":
+                raise RuntimeError("in-place grading needs an open sandbox (before close())")
             try:
                 result = self._grade()
                 self._reward, self.test_output = result.reward, result.output
@@ -232,13 +252,18 @@ class Episode:
         return None if self.status == "env_error" else self._reward
 
     def _grade(self):
-        def run():
+        if self.grading == "in_place":
             return grade(self.task, self.sandbox, self.test_timeout)
+        # The patch after the last step is the tree's (read-only steps keep the last one);
+        # it is all the grader sees.
+        patch = self.steps[-1].patch if self.steps else ""
+        self.close()
+
+        def run():
+            return grade_patch(self.task, patch, self._grader, self.test_timeout)
 
         if self.grades is None:
             return run()
-        # The patch after the last step is the tree's (read-only steps keep the last one).
-        patch = self.steps[-1].patch if self.steps else ""
         result, self.grade_cached = self.grades.grade(self.task, patch, run)
         return result
 

@@ -17,10 +17,17 @@ One path for every task (SWE-bench, R2E-Gym, mini-SWE, native rows):
    missing from the log (SWE-bench `get_eval_tests_report`: a skipped test is neither
    a success nor a failure). The `exit_code` parser grades by the command's status.
 
-Graded once per patch (`GradeCache`): SWE-bench's harness grades a task's patch by
-applying it to a fresh container at the base commit, so its reward is a function of
-the task and the patch; an episode whose final patch was graded before, for the same
-task, takes that grade without running the tests again.
+Where the tests run (`GRADINGS`): "fresh" (the default, `grade_patch`) grades an
+episode's final patch as SWE-bench's harness does, in a new sandbox of the task at its
+base commit with the patch applied (a patch that does not apply scores 0): nothing the
+agent left outside its patch (site-packages, its home directory, /usr/local/bin, files
+its ignore rules leave out of the diff, a process) reaches the grade. "in_place"
+(`grade` on the agent's own sandbox) saves a sandbox per episode, and trusts that
+state: an agent can reach reward 1 through it without fixing anything.
+
+Graded once per patch (`GradeCache`): with fresh grading the reward is a function of
+the task and the patch, so an episode whose final patch was graded before, for the
+same task, takes that grade without running the tests again.
 
 A run in which none of the listed tests ran (the interpreter is missing, collection
 failed, nothing was collected, pytest stopped on an internal error, the parser found
@@ -43,6 +50,7 @@ import shlex
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 from env.sandbox.base import Sandbox, SandboxError
@@ -53,12 +61,15 @@ GIT = "git -c safe.directory=* -c core.quotepath=off"
 STATUSES = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL")
 FAILING = ("FAILED", "ERROR")
 TEST_DIR_NAMES = {"tests", "test", "testing"}
-INFRA_NAMES = {"conftest.py", "pytest.ini", "tox.ini"}
+# pytest's configuration files (7-9 read these names; pytest.toml and .pytest.toml from 9).
+INFRA_NAMES = {"conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml",
+               "tox.ini"}
 SECTION_FILES = {"setup.cfg": lambda s: s in ("tool:pytest", "pytest"),
                  "pyproject.toml": lambda s: s.startswith("tool.pytest")}
 # Names a module in a directory on sys.path would shadow. `test` (CPython's own suite)
 # is left out: repositories have their own `test` directories.
-STDLIB = frozenset(sys.stdlib_module_names) - {"test"}
+# `sitecustomize` / `usercustomize` run at every interpreter start from sys.path.
+STDLIB = frozenset(sys.stdlib_module_names) - {"test"} | {"sitecustomize", "usercustomize"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -473,6 +484,27 @@ def grade(task: Task, sandbox: Sandbox, timeout: float = 300.0) -> Grade:
     return Grade(None, output, f"tests never ran [{kind}]: {detail}")
 
 
+GRADINGS = ("fresh", "in_place")
+# task -> a new sandbox of the task at its base commit, closed when its block ends (a
+# sandbox factory: every Sandbox is its own context manager).
+SandboxOpener = Callable[[Task], AbstractContextManager[Sandbox]]
+
+
+def grade_patch(task: Task, patch: str, open_sandbox: SandboxOpener,
+                timeout: float = 300.0) -> Grade:
+    """Grades `patch` in a new sandbox of `task` (`open_sandbox(task)`, at the base
+    commit): the patch applied, then `grade`. A patch that does not apply is the
+    patch's own failure, reward 0, as the official harness scores it. Raises
+    SandboxError on infrastructure failure."""
+    with open_sandbox(task) as sandbox:
+        try:
+            sandbox.apply_patch(patch)
+        except ValueError as e:
+            return Grade(0.0, f"[grader] the episode's patch does not apply at the base "
+                              f"commit: {e}")
+        return grade(task, sandbox, timeout)
+
+
 class GradeCache:
     """Grades by (task, patch), for the episodes of one run (module docstring).
 
@@ -480,10 +512,8 @@ class GradeCache:
     patch grades again. Gradings of one key at once run once, the others wait for its
     grade. Up to `max_bytes` of test output is kept, least recently used out.
 
-    The grade comes from the first sandbox that ran it: where a sandbox's state outside
-    its patch (files its .gitignore leaves out of the diff, its home directory) would
-    change the tests' outcome, later episodes with the same patch get that first grade,
-    as the official harness, which sees only the patch, gives all of them one grade.
+    Sound for fresh grading (`grade_patch`), whose grade depends on nothing but the
+    task and the patch; env.episode.Episode uses it for that only.
     """
 
     def __init__(self, max_bytes: int = 64 << 20):

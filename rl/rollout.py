@@ -14,9 +14,11 @@ Budgets, each ending the trajectory with its status:
   wall-clock -> "timeout"; sandbox failure, or any other exception out of one
   rollout -> "env_error" (never scored, the exception in `error`; never fails the
   collection).
-Every trajectory that is not env_error is graded by the task's tests at the end, once
-per patch: a trajectory whose final patch was graded before for the same task takes
-that grade (`grade_cache`, env.grading.GradeCache).
+Every trajectory that is not env_error is graded by the task's tests at the end: by
+default its final patch in a new sandbox, which takes the episode's slot once its own
+sandbox is closed (`grading`, env.episode.Episode), once per patch: a trajectory whose
+final patch was graded before for the same task takes that grade (`grade_cache`,
+env.grading.GradeCache).
 
 A trajectory can start from a prefix of another (Prefix Sampling, DESIGN section 4):
 the sandbox is restored to the state after step k, the source's first k turns are
@@ -40,7 +42,7 @@ import uuid
 from collections.abc import Callable, Sequence
 
 from env import episode as episode_lib
-from env.grading import GradeCache
+from env.grading import GRADINGS, GradeCache
 from env.sandbox.base import SandboxError
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
@@ -79,6 +81,10 @@ class RolloutConfig:
       evaluation, whose turns are never trained on: NaN in their place).
     grade_cache: an episode whose final patch was graded before for the same task
       takes that grade (env.grading.GradeCache); False runs the tests of every episode.
+      Fresh grading only (in place, a grade also depends on the sandbox's state).
+    grading: "fresh" grades the final patch in a new sandbox, as the official harness
+      does; "in_place" in the episode's own sandbox: one sandbox less per episode, but
+      whatever the agent left outside its patch reaches the reward (env.episode.Episode).
     """
 
     max_steps: int = 8
@@ -94,6 +100,11 @@ class RolloutConfig:
     system_prompt: str = SYSTEM_PROMPT
     logprobs: bool = True
     grade_cache: bool = True
+    grading: str = "fresh"
+
+    def __post_init__(self):
+        if self.grading not in GRADINGS:
+            raise ValueError(f"rollout.grading must be one of {GRADINGS}, got {self.grading!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +223,9 @@ class Agent:
     def _start(self, job: RolloutJob, traj: Trajectory, sandbox):
         """A ready episode in `sandbox` and the ids to feed before the first generated turn."""
         kwargs = {"max_steps": self.cfg.max_steps, "test_timeout": self.cfg.test_timeout_s,
-                  "grades": self.grades if self.cfg.grade_cache else None}
+                  "grades": self.grades if self.cfg.grade_cache else None,
+                  "grading": self.cfg.grading,
+                  "grader": functools.partial(self.pool.exchange, sandbox)}
         if job.prefix is None:
             episode = episode_lib.Episode(sandbox, job.task, **kwargs)
             first = episode.reset()

@@ -6,7 +6,8 @@
 #   scripts/build_repo_image.sh flask-5014:local /tmp/flask 7ee9ceb71e868944a46e1ff00b506772a53a4f1d \
 #       'Werkzeug==2.3.*' 'Jinja2>=3.1.2' 'itsdangerous>=2.1.2' 'click>=8.1.3' 'blinker>=1.6.2' 'pytest<8'
 #
-# REPO_DIR is any git checkout holding BASE_COMMIT (e.g. a clone of a `fetch`ed mirror).
+# REPO_DIR is any git checkout holding BASE_COMMIT (e.g. a clone of a `fetch`ed mirror); the
+# image's repository holds BASE_COMMIT's history only.
 # Wheels for the image's CPython (3.11, x86_64) come from PyPI through the host's pip and
 # are unpacked into /usr/local/lib/python3.11/dist-packages; the repository is importable
 # as an editable install would make it (a .pth file: /testbed/src for src layouts, else
@@ -14,7 +15,7 @@
 set -euo pipefail
 
 if [[ $# -lt 3 ]]; then
-  sed -n '2,14p' "$0" >&2
+  sed -n '2,15p' "$0" >&2
   exit 2
 fi
 image=$1 repo=$2 base=$3
@@ -36,9 +37,13 @@ if [[ $# -gt 0 ]]; then
   done
 fi
 
-git clone -q --no-checkout "$repo" "$work/testbed"
-git -C "$work/testbed" checkout -q --detach "$base"
-git -C "$work/testbed" remote remove origin
+# Only BASE_COMMIT and its history go into the image: no later commit (the fix), branch,
+# tag, remote, stash or reflog of REPO_DIR is there for a command in the sandbox to read.
+sha=$(git -C "$repo" rev-parse --verify "$base^{commit}")
+git init -q --template= "$work/testbed"
+git -C "$work/testbed" -c uploadpack.allowAnySHA1InWant=true fetch -q --no-tags "$repo" "$sha"
+git -C "$work/testbed" -c core.logAllRefUpdates=false checkout -q --detach "$sha"
+rm -f "$work/testbed/.git/FETCH_HEAD"
 if [[ -d $work/testbed/src ]]; then src=/testbed/src; else src=/testbed; fi
 echo "$src" > "$work/site/testbed.pth"
 printf '#!/usr/bin/python3\nimport sys\nimport pytest\nsys.exit(pytest.console_main())\n' \

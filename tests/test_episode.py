@@ -183,13 +183,17 @@ def test_killed_container_is_env_error(request):
         obs, done = episode.step(_bash("ls"))
         assert done and episode.status == "env_error" and episode.reward() is None
 
-    with Episode(factory, task) as episode:  # killed after finish, before grading
-        episode.reset()
-        for tool_call in expert_demo(task).calls:
-            episode.step(tool_call)
-        assert episode.status == "finished"
-        client.api.kill(episode.sandbox.container_id)
-        assert episode.reward() is None and episode.status == "env_error"
+    # Killed after finish, before grading: in place, no grade; fresh grading grades the
+    # recorded patch in a new container.
+    for grading, reward in (("in_place", None), ("fresh", 1.0)):
+        with Episode(factory, task, grading=grading) as episode:
+            episode.reset()
+            for tool_call in expert_demo(task).calls:
+                episode.step(tool_call)
+            assert episode.status == "finished"
+            client.api.kill(episode.sandbox.container_id)
+            assert episode.reward() == reward, episode.error
+            assert episode.status == ("env_error" if reward is None else "finished")
 
     broken = sandbox_factory("docker", **{**defaults, "image": "swe-rl-no-such-image:0"})
     with Episode(broken, task) as episode:
@@ -217,8 +221,10 @@ def test_an_equal_patch_takes_the_kept_grade(request):
             for action in actions:
                 episode.step(action)
             rewards.append((episode.reward(), episode.grade_cached))
-            own = grade(task, episode.sandbox)
-            assert own.reward == rewards[-1][0]
+            assert episode.sandbox is None  # closed before grading
+            with factory(task) as sandbox:  # its own patch, graded where it ran
+                sandbox.apply_patch(episode.steps[-1].patch)
+                assert grade(task, sandbox).reward == rewards[-1][0]
     assert rewards == [(1.0, False), (1.0, True), (0.0, False)]
     with Episode(factory, other, grades=cache) as episode:
         episode.reset()

@@ -401,9 +401,9 @@ def test_docker_activation_for_agent_and_grader_and_missing_python(request):
             "command": "python -c 'print(6 * 7)'"}})
         assert "42" in observation
         assert episode.reward() == 0.0
-        episode.sandbox.run("git reset -q --hard && git clean -fdq")
-        episode.sandbox.apply_patch(active.gold_patch)
-        assert grade(active, episode.sandbox).reward == 1.0
+    with factory(active) as sandbox:
+        sandbox.apply_patch(active.gold_patch)
+        assert grade(active, sandbox).reward == 1.0
 
 
 def test_env_errors_counted_by_reason():

@@ -284,3 +284,26 @@ def test_any_exception_of_one_episode_is_its_env_error_and_never_fails_collectio
     assert agent.pool.live == 0
     metrics = setup.rollout_metrics([t for g in groups for t in g], groups)
     assert metrics["rollout/env_errors"] == 4
+
+
+def test_rollouts_grade_the_patch_in_a_fresh_sandbox(model, tokenizer, factory):
+    """A demonstration that plants a .pth hook outside the repository (and changes no
+    file in it): 0 with the default fresh grading, in the episode's slot; 1 in place."""
+    from test_reward_integrity import USER_HACKS, fixed_copy
+
+    task = miniswe.generate_tasks(1, seed=3)[0]
+    calls = [{"name": "execute_bash", "arguments": {"command": c}}
+             for c in (fixed_copy(task), USER_HACKS["user_pth"])]
+    actions = setup.expert_actions_text([*calls, {"name": "finish", "arguments": {}}])
+    rewards = {}
+    for grading in ("fresh", "in_place"):
+        agent = make_agent(model, tokenizer, factory, max_steps=8, max_turn_tokens=600,
+                           max_response_tokens=2000, max_context=4096, grading=grading)
+        traj = asyncio.run(agent.demonstrate(task, actions))
+        assert traj.status == "finished" and traj.turns[-1].patch == "", traj.error
+        rewards[grading] = traj.reward
+        assert agent.pool.live == 0 and agent.pool.peak == 1
+        agent.close()
+    assert rewards == {"fresh": 0.0, "in_place": 1.0}
+    with pytest.raises(ValueError, match="rollout.grading"):
+        RolloutConfig(grading="fresh-ish")

@@ -253,7 +253,8 @@ def test_stress_random_kills_leave_nothing_behind(backend, request):
                 uids.add(sb._uid)
             if plan.kind == "cancel":
                 ready.set()
-            ep = Episode(sb, task, max_steps=8, test_timeout=STEP_TIMEOUT_S,
+            # In place: the kills of the grading run hit this sandbox.
+            ep = Episode(sb, task, max_steps=8, test_timeout=STEP_TIMEOUT_S, grading="in_place",
                          bash_timeout=STEP_TIMEOUT_S)
             ep.reset()
             if plan.fix_first:

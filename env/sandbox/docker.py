@@ -13,6 +13,10 @@ command may write files up to `file_size_bytes` (ulimit -f), the writable layer 
 capped at `disk_bytes` where the storage driver allows, and `patch()` reads at most
 `max_patch_bytes` + 1 bytes.
 
+The repository keeps only its base commit's history: at start, an image's repository
+with other branches, tags, remotes, a stash or reflogs loses them and the objects they
+held (shell.only_base_history), so no command can read a later commit.
+
 Every Docker failure (engine unreachable, container gone, API error) raises
 `SandboxError`; a missing file raises FileNotFoundError and a patch that does not
 apply raises ValueError, as for every backend.
@@ -68,18 +72,24 @@ GIT = "git -c safe.directory=* -c user.name=sandbox -c user.email=sandbox@localh
 GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 PATCH_FILE = "/tmp/.sandbox.patch"
 # $1 = workdir, $2 = base commit ("": HEAD), $3 = exclude lines, $4 = "1": create the workdir.
-# Exit 90: no workdir; 91: base commit given but no repository; 93: no such base commit.
+# Exit 90: no workdir; 91: base commit given but no repository; 93: no such base commit;
+# 95: the history after the base could not be removed. An image's repository keeps only
+# its base commit's history (shell.only_base_history): no later commit reaches a command.
 INIT_GIT = f"""
 [ -z "$4" ] || mkdir -p -- "$1" || exit 92
 cd -- "$1" || exit 90
+new=""
 if ! {GIT} rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   [ -z "$2" ] || exit 91
   {GIT} init -q && {GIT} add -A && {GIT} commit -q --allow-empty --no-verify --no-gpg-sign \\
     -m base || exit 92
+  new=1
 fi
 sha=$({GIT} rev-parse --verify "${{2:-HEAD}}^{{commit}}") || exit 93
-[ "$({GIT} rev-parse HEAD)" = "$sha" ] || {GIT} checkout -q -f "$sha" || exit 94
-printf %s "$3" >> "$({GIT} rev-parse --git-dir)/info/exclude" || exit 94
+[ "$({GIT} rev-parse HEAD)" = "$sha" ] || {GIT} checkout -q -f --detach "$sha" || exit 94
+[ -n "$new" ] || ( {shell.only_base_history(GIT)} ) >&2 || exit 95
+gd=$({GIT} rev-parse --git-dir) && mkdir -p "$gd/info" && printf %s "$3" >> "$gd/info/exclude" \\
+  || exit 94
 echo "$sha"
 """
 

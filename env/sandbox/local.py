@@ -102,8 +102,8 @@ class LocalSandbox(base.Sandbox):
 
     Args:
       repo_files: path -> text content; committed as the base commit of a new repo.
-      repo_dir: a directory to copy instead (a git repo is cloned and checked out at
-        `base_commit`, default HEAD; any other directory is committed as it is).
+      repo_dir: a directory to copy instead (of a git repo, only `base_commit`, default
+        HEAD, and its history, checked out; any other directory is committed as it is).
       base_commit: commit of `repo_dir` to start from (only with a git `repo_dir`).
       limits: per-command rlimits.
       max_output_bytes: cap on the output kept per `run` (head and tail halves).
@@ -226,13 +226,21 @@ class LocalSandbox(base.Sandbox):
                 raise ValueError(f"base_commit given but repo_dir {src!r} is not a git repo")
             shutil.copytree(src, self.repo, symlinks=True)
             return self._commit_all()
-        self._git_host(["-c", "safe.directory=*", "clone", "-q", "--no-hardlinks",
-                        "--no-checkout", os.path.abspath(src), self.repo], cwd=self.root)
         try:
-            self._git_host(["checkout", "-q", "--detach", base_commit or "HEAD"])
+            sha = self._git_host(["-c", "safe.directory=*", "-C", os.path.abspath(src),
+                                  "rev-parse", "--verify", f"{base_commit or 'HEAD'}^{{commit}}"],
+                                 cwd=self.root).strip()
         except base.SandboxError as e:
             raise ValueError(f"cannot check out {base_commit!r} of {src!r}: {e}") from None
-        return self._git_host(["rev-parse", "HEAD"]).strip()
+        # Only the base commit's history is fetched: no later commit (the fix), branch,
+        # tag or reflog of `src` is there for a command to read.
+        os.makedirs(self.repo)
+        self._git_host(["init", "-q", "--template="],
+                       ["-c", "safe.directory=*", "-c", "uploadpack.allowAnySHA1InWant=true",
+                        "fetch", "-q", "--no-tags", os.path.abspath(src), sha],
+                       ["-c", "core.logAllRefUpdates=false", "checkout", "-q", "--detach", sha])
+        os.remove(os.path.join(self.repo, ".git", "FETCH_HEAD"))
+        return sha
 
     def _commit_all(self) -> str:
         """Commits the tree as the base of a new repository; returns the commit's id.

@@ -29,7 +29,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 from env.sandbox import make_sandbox
@@ -134,6 +134,19 @@ class SandboxPool:
                     closing.add_done_callback(functools.partial(self._free_slot, loop, None))
                     raise
             self._slots.release()
+
+    @contextlib.contextmanager
+    def exchange(self, old: Sandbox, spec: Any = None) -> Iterator[Sandbox]:
+        """In the slot of `old` (a sandbox of this pool, inside its `acquire` block):
+        closes it, then yields a new sandbox for `spec`, closed when the block ends (a
+        blocking call, for the pool's threads: fresh-sandbox grading). The number of
+        live sandboxes stays within `max_concurrent`."""
+        self._discard(old)
+        sandbox = self._create(spec)
+        try:
+            yield sandbox
+        finally:
+            self._discard(sandbox)
 
     def _free_slot(self, loop: asyncio.AbstractEventLoop,
                    cleanup: Callable[[concurrent.futures.Future], None] | None,

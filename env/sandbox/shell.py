@@ -24,6 +24,28 @@ s=("${{PIPESTATUS[@]}}")
 """
 
 
+def only_base_history(git: str = "git") -> str:
+    """Script, in a repository whose HEAD is at its base commit: leaves only the base
+    commit and its history reachable, so no command can read a later commit (a fix).
+    HEAD is detached at the base; every other ref (branches, tags, remotes, stash,
+    notes, replace refs), remote, reflog, `*_HEAD` file and alternate object store is
+    removed, and the objects nothing reaches any more are pruned. A repository that
+    holds none of these (one the project built) costs one listing, no repacking.
+    Exit 95 when it fails."""
+    return f"""
+d=$({git} rev-parse --git-dir) && sha=$({git} rev-parse --verify HEAD^{{commit}}) || exit 95
+{git} -c core.logAllRefUpdates=false update-ref --no-deref HEAD "$sha" || exit 95
+refs=$({git} for-each-ref --format='%(refname)')
+extra=$(cd "$d" && ls -d logs packed-refs objects/info/alternates ./*_HEAD 2>/dev/null)
+[ -z "$refs$({git} remote)$extra" ] && exit 0
+for r in $({git} remote); do {git} remote remove "$r" >/dev/null 2>&1; done
+{git} for-each-ref --format='delete %(refname)' | {git} update-ref --stdin || exit 95
+(cd "$d" && rm -rf logs packed-refs ./*_HEAD) || exit 95
+{git} -c repack.writeBitmaps=false repack -a -d -q || exit 95
+rm -f "$d/objects/info/alternates" && {git} prune --expire=now || exit 95
+"""
+
+
 def outside_repo_error(path: str, target: str) -> ValueError:
     return ValueError(f"{path} is a symbolic link to {target}, outside the repository; "
                       "not edited")
