@@ -163,6 +163,10 @@ def sglang_defaults() -> dict[str, Any]:
     sync_mode: how a weight update quiesces a server: "pause" (pause_generation,
       reload, continue), "abort" (abort in-flight requests, continue them after the
       reload) or "drain" (wait for in-flight requests to finish).
+    on_restart: a server that answers with an older weight version than was loaded
+      into it (it restarted on its launch weights) is reloaded before it serves again;
+      the request it answered is sent again ("reload") or fails its episode as an
+      env_error ("drop").
     export_dir / export_dtype / export_keep: where weights are written as HF
       safetensors for /update_weights_from_disk, in which dtype (the servers'), and how
       many of the newest exports stay on disk.
@@ -171,7 +175,7 @@ def sglang_defaults() -> dict[str, Any]:
                 mem_fraction_static=0.85, extra_args=(), timeout_s=600.0, max_retries=5,
                 export_dir="", health_timeout_s=900.0, host_gpus=8, command="", python="",
                 env=(), context_length=0, deterministic=True, sync_mode="pause",
-                export_dtype="bfloat16", export_keep=1)
+                on_restart="reload", export_dtype="bfloat16", export_keep=1)
 
 
 def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:
