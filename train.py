@@ -87,8 +87,12 @@ def main(argv=None) -> None:
     if not args.eval_only and distributed.is_primary():  # (an evaluation leaves it as it is)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=1))
-    asyncio.run(run(config, workdir, eval_only=args.eval_only,
-                    eval_out=os.path.abspath(args.eval_out) if args.eval_out else None))
+    try:
+        asyncio.run(run(config, workdir, eval_only=args.eval_only,
+                        eval_out=os.path.abspath(args.eval_out) if args.eval_out else None))
+    except OSError as e:  # a full disk, a lost mount: its cause, not a traceback of the loop
+        log.error("stopped: %s: %s", type(e).__name__, e)
+        sys.exit(1)
 
 
 async def run(config, workdir: str, eval_only: bool = False, eval_out: str | None = None) -> None:
