@@ -87,8 +87,12 @@ def main(argv=None) -> None:
     if not args.eval_only and distributed.is_primary():  # (an evaluation leaves it as it is)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=1))
-    asyncio.run(run(config, workdir, eval_only=args.eval_only,
-                    eval_out=os.path.abspath(args.eval_out) if args.eval_out else None))
+    try:
+        asyncio.run(run(config, workdir, eval_only=args.eval_only,
+                        eval_out=os.path.abspath(args.eval_out) if args.eval_out else None))
+    except OSError as e:  # a full disk, a lost mount: its cause, not a traceback of the loop
+        log.error("stopped: %s: %s", type(e).__name__, e)
+        sys.exit(1)
 
 
 async def run(config, workdir: str, eval_only: bool = False, eval_out: str | None = None) -> None:
@@ -147,6 +151,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
         log.info("host state at step %d: %s", step,
                  distributed.check_consistent(host, f"step {step}"))
         ckpt.save(step, state, host)
+        writer.mark(step)  # a resume from `step` keeps exactly the metrics written so far
 
     if eval_only:
         try:
@@ -166,8 +171,9 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
                  distributed.check_consistent({"step": first_step, **algo.state_dict()},
                                               f"resume at step {first_step}"))
         await sync_weights(state.params)
-    # Metric rows a killed run wrote after its last checkpoint are written again below.
-    writer = MetricWriter(workdir, resume_step=first_step)
+    # Metric rows a killed run wrote after its last checkpoint (all of them without one,
+    # e.g. a warm start cut short) are written again below.
+    writer = MetricWriter(workdir, resume_step=first_step if resumed else -1)
     if not resumed and config.sft.steps:
         state = await warm_start(config, agent, train_tasks, graphdef, state, mesh, writer)
         await sync_weights(state.params)
@@ -187,9 +193,11 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
 
     # ------------------------------------------------------------------ train loop
     async def rl_loop(state):
-        if first_step == 0 and not os.path.exists(os.path.join(workdir, "eval_0.json")):
+        if first_step == 0 and not (resumed and os.path.exists(os.path.join(workdir,
+                                                                            "eval_0.json"))):
             # (A workdir seeded with a shared warm start already holds its step-0 eval.)
             await evaluate(config, agent, eval_tasks, writer, 0, workdir)
+            writer.mark(0)  # eval_0.json exists: a resume from step 0 keeps its row
         if not algo.started:
             t0 = time.perf_counter()
             with setup.progress(0, "offline start") as bar:

@@ -8,7 +8,8 @@ ml_collections and `configs` modules, so reading one imports no JAX. Configs are
 returned locked: setting a key that does not exist raises an error naming the key,
 so a typo in a sweep or on the command line never passes silently. A key derived
 from another is a reference to it (`get_ref`), so an override moves both. Every
-numeric key has an allowed range in `RANGES`, checked by `check_values`. Sweeps are
+numeric key has an allowed range in `RANGES` and every key that names one of a few
+choices its allowed values in `CHOICES`, both checked by `check_values`. Sweeps are
 `get_hyper(h)` functions returning a list of override dicts (`h.product`, `h.sweep`
 style, without the dependency: see `product` and `sweep` below).
 """
@@ -110,10 +111,15 @@ def load_config(spec: str) -> ConfigDict:
     path, _, arg = spec.partition(":")
     if not os.path.exists(path):
         raise FileNotFoundError(f"config file {path!r} does not exist")
+    if not os.path.isfile(path) or not path.endswith(".py"):
+        raise ValueError(f"config {path!r} is not a Python file: give a file of configs/ "
+                         f"that defines get_config, e.g. configs/default.py")
     name = "config_" + os.path.splitext(os.path.basename(path))[0]
     spec_ = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec_)
     spec_.loader.exec_module(module)
+    if not callable(getattr(module, "get_config", None)):
+        raise ValueError(f"config file {path!r} defines no get_config(arg) function")
     return module.get_config(arg or None)
 
 
@@ -169,6 +175,10 @@ def sglang_defaults() -> dict[str, Any]:
     sync_mode: how a weight update quiesces a server: "pause" (pause_generation,
       reload, continue), "abort" (abort in-flight requests, continue them after the
       reload) or "drain" (wait for in-flight requests to finish).
+    on_restart: a server that answers with an older weight version than was loaded
+      into it (it restarted on its launch weights) is reloaded before it serves again;
+      the request it answered is sent again ("reload") or fails its episode as an
+      env_error ("drop").
     export_dir / export_dtype / export_keep: where weights are written as HF
       safetensors for /update_weights_from_disk, in which dtype (the servers'), and how
       many of the newest exports stay on disk.
@@ -177,7 +187,7 @@ def sglang_defaults() -> dict[str, Any]:
                 mem_fraction_static=0.85, extra_args=(), timeout_s=600.0, max_retries=5,
                 export_dir="", health_timeout_s=900.0, host_gpus=8, command="", python="",
                 env=(), context_length=0, deterministic=True, sync_mode="pause",
-                export_dtype="bfloat16", export_keep=1)
+                on_restart="reload", export_dtype="bfloat16", export_keep=1)
 
 
 def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:
@@ -321,6 +331,50 @@ RANGES: dict[str, str] = {
 }
 
 
+# Allowed values of every key that names one of a few choices. The code that reads a
+# key owns the same tuple (tests/test_configs.py checks that they agree), so a typo is
+# refused by --dry_run, before anything is built.
+CHOICES: dict[str, tuple[Any, ...]] = {
+    "algo": ("grpo", "spo"),
+    "model.preset": ("tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b",
+                     "qwen3-32b"),
+    "model.dtype": ("float32", "bfloat16"), "model.param_dtype": ("float32", "bfloat16"),
+    "model.remat": ("none", "full", "nested", "save-dots"),
+    "model.attention": ("auto", "xla", "pallas", "reference"),
+    "engine.kind": ("embedded", "sglang"),
+    "engine.sglang.sync_mode": ("pause", "abort", "drain"),
+    "engine.sglang.on_restart": ("reload", "drop"),
+    "engine.sglang.export_dtype": ("bfloat16", "float16", "float32"),
+    "env.backend": ("local", "docker"),
+    "ps.replay": ("patch", "reexec"),
+    "spo.rho_type": ("kl", "constant"), "spo.init_form": ("reference", "paper"),
+    "spo.duplicates": ("sequential", "last"), "spo.unseen": ("draw", "skip"),
+    "learner.logprob_impl": (None, "reference", "xla", "pallas"),
+    "learner.optim.schedule": ("constant", "cosine"),
+    "learner.loss.name": ("ppo", "sft"),
+    "learner.loss.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "learner.loss.kl": ("none", "k1", "k2", "k3", "k3plus", "exact"),
+    "learner.loss.old_logprobs": ("sampler", "learner"),
+}
+
+
+def check_choices(config: ConfigDict) -> None:
+    """Every `CHOICES` key a config has holds one of its values; the error names each
+    key that does not, its value and the allowed ones."""
+    bad = []
+    for key, allowed in CHOICES.items():
+        node, *parts = config, *key.split(".")
+        for part in parts:
+            if not isinstance(node, ConfigDict) or part not in node:
+                break
+            node = node[part]
+        else:
+            if node not in allowed:
+                bad.append(f"{key}={node!r} (allowed: {', '.join(map(repr, allowed))})")
+    if bad:
+        raise ValueError("config values not among the choices: " + "; ".join(bad))
+
+
 def in_range(value: float, spec: str) -> bool:
     """Whether `value` lies in `spec` ("[0, 1)", "(0, inf)", "[1, inf) | -1", ...)."""
     for part in spec.split("|"):
@@ -352,13 +406,15 @@ def _is_number(value: Any) -> bool:
 
 
 def check_values(config: ConfigDict) -> None:
-    """Every numeric key within its `RANGES` entry, and derived keys equal to their
-    sources; the error names every key out of range, its value and what is allowed."""
+    """Every numeric key within its `RANGES` entry, every enumerated key among its
+    `CHOICES`, and derived keys equal to their sources; the error names every key out
+    of range, its value and what is allowed."""
     bad = [f"{key}={value!r} (allowed: {RANGES[key]})" for key, value in numeric_items(config)
            if key in RANGES and not all(in_range(v, RANGES[key]) for v in
                                         (value if isinstance(value, tuple | list) else (value,)))]
     if bad:
         raise ValueError("config values out of range: " + "; ".join(bad))
+    check_choices(config)
     _check_order(config, "ps.low", "ps.high")
     _check_order(config, "ps.ratio_min", "ps.ratio_max")
     _check_order(config, "spo.rho_min", "spo.rho_max")

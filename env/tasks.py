@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import posixpath
 from typing import Any
 
 from env import swebench
@@ -32,6 +34,11 @@ R2E_TEST_COMMAND = (
     "rm -rf r2e_tests && ln -s /root/r2e_tests r2e_tests && bash /root/run_tests.sh; "
     "status=$?; rm -f r2e_tests; exit $status")
 PYTEST_TEST_COMMAND = "python -m pytest -rA {test_files}"
+# Host directories a row's repo_dir may not name (or lie inside): the sandbox copies
+# repo_dir, so one of these would put the host's configuration or secrets in it.
+SYSTEM_DIRS = ("/etc", "/root", "/proc", "/sys", "/dev", "/boot", "/run", "/usr", "/bin",
+               "/sbin", "/lib", "/lib32", "/lib64", "/var/lib", "/var/log", "/var/run",
+               "/var/spool", "/var/mail", "/var/cache", "/var/backups")
 
 
 @dataclasses.dataclass
@@ -180,7 +187,7 @@ def task_from_row(row: Any, where: str = "row",
     if repo_files is not None and not all(
             isinstance(k, str) and isinstance(v, str) for k, v in repo_files.items()):
         raise TaskRowError(f"{where}: field 'repo_files' must map paths to text")
-    repo_dir = _field(row, where, "repo_dir")
+    repo_dir = _repo_dir(row, where)
     image = image or ("" if repo_files is not None or repo_dir else harness.get("image", ""))
     if not (image or repo_files or repo_dir):
         raise TaskRowError(
@@ -201,7 +208,7 @@ def task_from_row(row: Any, where: str = "row",
         repo=_field(row, where, "repo", "repo_name", default=""),
         base_commit=_field(row, where, "base_commit", default=""),
         image=image, repo_files=repo_files, repo_dir=repo_dir,
-        workdir=_field(row, where, "workdir", default="/testbed"),
+        workdir=_workdir(row, where),
         gold_patch=_field(row, where, "patch", default=""),
         test_patch=_field(row, where, "test_patch", default=""),
         test_files=_test_list(row, where, "test_files") or harness.get("test_files", []),
@@ -222,7 +229,35 @@ def _difficulty(row: dict, where: str) -> int | None:
     """A graded level (mini-SWE); SWE-bench-Verified's annotation ("15 min - 1 hour")
     is text and stays in the metadata."""
     value = _field(row, where, "difficulty", kind=(int, str))
+    if isinstance(value, bool):
+        raise TaskRowError(f"{where}: field 'difficulty' must be an integer level or text, "
+                           f"got {value!r}")
     return value if isinstance(value, int) else None
+
+
+def _workdir(row: dict, where: str) -> str:
+    """The repository's absolute path inside the sandbox."""
+    value = _field(row, where, "workdir", default="/testbed")
+    if not posixpath.isabs(value) or ".." in value.split("/") or value.strip("/") == "":
+        raise TaskRowError(f"{where}: field 'workdir' must be an absolute path below / "
+                           f"inside the sandbox (without '..'), got {value!r}")
+    return value
+
+
+def _repo_dir(row: dict, where: str) -> str | None:
+    """A host directory to copy into the sandbox: never /, the home directory itself
+    or a system directory (SYSTEM_DIRS), links resolved."""
+    value = _field(row, where, "repo_dir")
+    if value is None:
+        return None
+    real = os.path.realpath(value)
+    home = os.path.realpath(os.path.expanduser("~"))
+    if real in ("/", home) or any(real == d or real.startswith(d + "/")
+                                  for d in map(os.path.realpath, SYSTEM_DIRS)):
+        raise TaskRowError(f"{where}: field 'repo_dir' is {value!r} (the host's {real}): a "
+                           f"task repository may not be /, the home directory or a system "
+                           f"directory, whose contents would be copied into the sandbox")
+    return value
 
 
 def _check_parser(name: str, where: str) -> None:
@@ -251,16 +286,34 @@ def task_to_row(task: Task) -> dict[str, Any]:
 
 def load_tasks(path: str, image_template: str = swebench.SWEBENCH_IMAGE_TEMPLATE
                ) -> list[Task]:
-    """Reads a JSONL file of task rows (see task_from_row); blank lines are skipped."""
-    tasks = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    """Reads a JSONL file of task rows (see task_from_row); blank lines are skipped. Each
+    instance_id appears once."""
+    tasks, lines = [], {}
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}:{line_no}"
+            line = decode_line(raw, where, TaskRowError)
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise TaskRowError(f"{where}: invalid JSON: {e.msg}") from e
-            tasks.append(task_from_row(row, where, image_template))
+            except RecursionError:
+                raise TaskRowError(f"{where}: invalid JSON: nested too deeply") from None
+            task = task_from_row(row, where, image_template)
+            if task.instance_id in lines:
+                raise TaskRowError(f"{where}: field 'instance_id' {task.instance_id!r} "
+                                   f"repeats line {lines[task.instance_id]}")
+            lines[task.instance_id] = line_no
+            tasks.append(task)
     return tasks
+
+
+def decode_line(raw: bytes, where: str, error: type[Exception]) -> str:
+    """A JSONL line's bytes as text; `error` naming the line and byte if not UTF-8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{where}: not UTF-8 text (byte {e.start + 1} of the line is "
+                    f"{raw[e.start:e.start + 1]!r})") from None

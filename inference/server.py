@@ -72,6 +72,8 @@ def parse_sampling(params: dict[str, Any] | None, prompt_ids: Sequence[int],
     """SGLang `sampling_params` + prompt -> (GenerateRequest, prompt_only); bad values
     raise ValueError. prompt_only: max_new_tokens was 0 (the request asks for no output).
     vocab_size: stop ids must lie below it. return_logprob: the body's, for this item."""
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"sampling_params must be an object, got {_clip(params)}")
     params = dict(params or {})
     for key, value in params.items():
         if key in _SUPPORTED or key in _IGNORED:
@@ -82,25 +84,62 @@ def parse_sampling(params: dict[str, Any] | None, prompt_ids: Sequence[int],
             raise ValueError(f"sampling parameter {key}={value!r} is not supported by this "
                              f"server (only {_NEUTRAL[key]!r})")
     max_new = params.get("max_new_tokens")
-    max_new = _DEFAULT_MAX_NEW_TOKENS if max_new is None else int(max_new)
-    if max_new < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new}")
+    max_new = _DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+    if not _is_int(max_new) or max_new < 0:
+        raise ValueError(f"max_new_tokens must be an integer >= 0, got {_clip(max_new)}")
     seed = params.get("sampling_seed")
-    if seed is not None and not (isinstance(seed, int) and 0 <= seed < 2**32):
+    if seed is not None and not (_is_int(seed) and 0 <= seed < 2**32):
         raise ValueError(f"sampling_seed must be an integer in [0, 2**32), got {seed!r}")
-    stops = tuple(params.get("stop_token_ids") or ())
-    bad = [t for t in stops if not isinstance(t, int) or t < 0
+    for key in ("temperature", "top_p", "top_k"):
+        value = params.get(key)
+        if value is not None and not (isinstance(value, int | float)
+                                      and not isinstance(value, bool)):
+            raise ValueError(f"{key} must be a number, got {_clip(value)}")
+    stops = params.get("stop_token_ids") or []
+    if not isinstance(stops, list):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {_clip(stops)}")
+    stops = tuple(stops)
+    bad = [t for t in stops if not _is_int(t) or t < 0
            or (vocab_size is not None and t >= vocab_size)]
     if bad:
         raise ValueError(f"stop_token_ids {bad} are not token ids of this model "
                          f"(vocabulary size {vocab_size})")
     request = GenerateRequest(
         prompt_ids=prompt_ids, max_new_tokens=max(max_new, 1),
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        top_k=int(params.get("top_k", -1)),
+        temperature=float(_given(params, "temperature", 1.0)),
+        top_p=float(_given(params, "top_p", 1.0)), top_k=int(_given(params, "top_k", -1)),
         stop_token_ids=stops, seed=seed, return_logprob=return_logprob)
     return request, max_new == 0
+
+
+def _given(params: dict[str, Any], key: str, default: Any) -> Any:
+    return default if params.get(key) is None else params[key]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _clip(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+async def read_object(http: web.Request, empty_ok: bool = False) -> dict[str, Any]:
+    """The request's JSON body as an object; ValueError with the reason otherwise (not
+    JSON, nested too deeply for the parser, or not an object). empty_ok: no body is {}."""
+    raw = await http.read()
+    if not raw.strip() and empty_ok:
+        return {}
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ValueError("the request body is nested too deeply") from None
+    except ValueError as e:  # includes UnicodeDecodeError
+        raise ValueError(f"the request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError(f"the request body must be a JSON object, got {_clip(body)}")
+    return body
 
 
 def _per_item(value: Any, n: int, name: str) -> list[Any]:
@@ -136,11 +175,17 @@ def parse_generate(body: dict[str, Any], vocab_size: int | None = None
     sampling = _per_item(body.get("sampling_params"), n, "sampling_params")
     rids = _per_item(body.get("rid"), n, "rid")
     rids = [r if r is not None else uuid.uuid4().hex for r in rids]
+    if not all(isinstance(r, str) for r in rids):
+        raise ValueError(f"rid must be a string (or a list of strings), got "
+                         f"{_clip(body.get('rid'))}")
+    if len(set(rids)) != len(rids):
+        raise ValueError(f"rid has duplicate entries {_clip(rids)}")
     logprob = [bool(x) for x in _per_item(body.get("return_logprob", False), n, "return_logprob")]
     requests = []
     for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
-        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-            raise ValueError(f"input_ids[{i}] must be a list of integers")
+        if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):
+            raise ValueError(f"input_ids[{i}] must be a list of integers, got "
+                             f"{_clip(prompt)}")
         if vocab_size is not None and any(t >= vocab_size for t in prompt):
             raise ValueError(f"The input_ids {prompt[:64]} contains values greater than the "
                              f"vocab size ({vocab_size}).")  # SGLang's words
@@ -221,10 +266,13 @@ class Server:
     async def generate(self, http: web.Request) -> web.Response:
         start = time.perf_counter()
         try:
-            batched, items, rids = parse_generate(await http.json(), self.vocab_size)
+            batched, items, rids = parse_generate(await read_object(http), self.vocab_size)
             for req, prompt_only in items:
                 self._check_context(req, prompt_only)
-        except ValueError as e:  # includes json.JSONDecodeError
+            busy = [r for r in rids if r in self.inflight]
+            if busy:
+                raise ValueError(f"rid {busy[0]!r} is already running")
+        except ValueError as e:
             return _error(400, str(e))
         await self._resumed.wait()
         while self._reloading is not None:
@@ -297,7 +345,7 @@ class Server:
         finish and holds new ones until the weights are loaded (SGLang's writer lock)."""
         reloading = asyncio.Event()
         try:
-            body = await http.json()
+            body = await read_object(http)
             path = body["model_path"]
             if not isinstance(path, str):
                 raise TypeError(f"model_path must be a string, got {path!r}")
@@ -328,16 +376,27 @@ class Server:
         return web.Response(text="Cache flushed.\n")
 
     async def abort_request(self, http: web.Request) -> web.Response:
-        body = await http.json() if http.can_read_body else {}
-        if body.get("abort_all"):
+        try:
+            body = await read_object(http, empty_ok=True)
+            rid, abort_all = body.get("rid"), body.get("abort_all", False)
+            if not isinstance(abort_all, bool):
+                raise ValueError(f"abort_all must be true or false, got {_clip(abort_all)}")
+            if not isinstance(rid, str | None):
+                raise ValueError(f"rid must be a string, got {_clip(rid)}")
+        except ValueError as e:
+            return _error(400, str(e))
+        if abort_all:
             targets = list(self.inflight.values())
         else:
-            targets = [self.inflight[body["rid"]]] if body.get("rid") in self.inflight else []
+            targets = [self.inflight[rid]] if rid in self.inflight else []
         self._abort(targets)
         return web.Response(status=200)
 
     async def pause_generation(self, http: web.Request) -> web.Response:
-        body = await http.json() if http.can_read_body else {}
+        try:
+            body = await read_object(http, empty_ok=True)
+        except ValueError as e:
+            return _error(400, str(e))
         mode = body.get("mode", "abort")
         if mode not in ("abort", "retract", "in_place"):
             return _error(400, f"pause_generation mode must be abort, retract or in_place, "

@@ -2,8 +2,12 @@
 
 `SGLangClient` sends one native `/generate` call per request (SGLang batches
 concurrent calls itself) to the server with the fewest outstanding requests.
-Connection errors, timeouts and 5xx answers are retried with exponential backoff
-on another server; a failing server is marked down for `down_s` seconds.
+Connection errors, timeouts, 5xx answers and malformed answers are retried with
+exponential backoff on another server; a failing server is marked down for `down_s`
+seconds. Every answer is checked against its request (`parse_response`: at most
+max_new_tokens ids in the vocabulary, a finite log-prob <= 0 for each, a finish reason
+SGLang writes) and its `weight_version` against the versions loaded into that server:
+one that restarted (an older version) is reloaded before it serves again.
 
 Weight sync: `update_weights` exports HF safetensors in the servers' dtype to
 `export_dir/weights_<version>` and reloads each server exactly once per version.
@@ -14,7 +18,8 @@ ones unless generation is paused, so the client first quiesces each server
 (the reload aborts in-flight requests; each is continued from its tokens so far)
 or "drain" (wait for the client's in-flight requests to finish). New requests for
 a server wait while it reloads; a server that missed a version is reloaded once
-before it gets traffic again. Only the newest `export_keep` exports stay on disk.
+before it gets traffic again, and one whose `/continue_generation` failed (retried) gets
+none until it answers one. Only the newest `export_keep` exports stay on disk.
 
 `SGLangLauncher` starts `python -m sglang.launch_server ...` (or any command
 template, e.g. `inference.server` in tests) in its own process group on its own
@@ -28,6 +33,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import shlex
@@ -57,6 +63,7 @@ from inference.engine import (
 log = logging.getLogger(__name__)
 
 SYNC_MODES = ("pause", "abort", "drain")
+ON_RESTART = ("reload", "drop")
 MIN_VERSION = (0, 5, 0)
 SEED_VERSION = (0, 5, 3)  # first release with sampling_seed (--enable-deterministic-inference)
 NAN_MATCHED = "NaN happened"  # SGLang's finish_reason.matched for a non-finite sample
@@ -80,26 +87,93 @@ def request_payload(req: GenerateRequest, seeded: bool = True) -> dict[str, Any]
             "return_logprob": True}
 
 
-def parse_response(item: dict[str, Any], latency: float,
-                   policy_version: int | None = None) -> GenerateResult:
-    """SGLang /generate response item -> GenerateResult; a NaN finish raises
-    BrokenSampleError."""
-    meta = item["meta_info"]
-    pairs = meta.get("output_token_logprobs") or []
-    ids = [int(p[1]) for p in pairs] if pairs else list(item.get("output_ids", []))
-    finish = meta.get("finish_reason") or {}
-    reason = finish.get("type", "abort")
+FINISH_TYPES = ("stop", "length", "abort")
+LOGPROB_SLACK = 1e-5  # float32 rounding of log_softmax's maximum (exactly 0 in real maths)
+NO_VOCAB = 2**31  # id bound when the vocabulary is unknown (ids are int32 on the learner)
+
+
+class BadAnswerError(ServerError):
+    """A server answered 200 with something that is not an answer to the request (wrong
+    shape, too many tokens, ids outside the vocabulary, missing or impossible log-probs,
+    an unknown finish reason); retried on another server."""
+
+
+def parse_weight_version(value: Any) -> int:
+    """A server's `weight_version` -> int: "default" (SGLang's, the weights it started
+    with) is 0, a decimal string of a version this client sent is that version; anything
+    else (another client's naming, a negative or garbage value) raises BadAnswerError."""
+    text = value if isinstance(value, str) else None
+    if text == "default":
+        return 0
+    if text is None or not (text.isascii() and text.isdigit()):
+        raise BadAnswerError(f"weight_version {value!r} is not a version this client "
+                             f"writes (\"default\" or a decimal count of updates)")
+    return int(text)
+
+
+def parse_response(item: Any, latency: float, policy_version: int | None = None, *,
+                   max_new_tokens: int | None = None,
+                   vocab_size: int | None = None) -> GenerateResult:
+    """SGLang /generate response item -> GenerateResult, checked against the request:
+    at most `max_new_tokens` ids, each an int in [0, vocab_size), one finite log-prob
+    <= 0 per id, a finish reason SGLang writes. A NaN finish raises BrokenSampleError;
+    anything else malformed raises BadAnswerError with what was wrong."""
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    if not isinstance(meta, dict):
+        raise BadAnswerError(f"/generate answered {_clip(item)}: not an object with "
+                             f"meta_info")
+    ids, logprobs = _output_tokens(item, meta, vocab_size or NO_VOCAB)
+    if max_new_tokens is not None and len(ids) > max_new_tokens:
+        raise BadAnswerError(f"/generate answered {len(ids)} tokens for max_new_tokens "
+                             f"{max_new_tokens}")
+    finish = meta.get("finish_reason")
+    reason = finish.get("type") if isinstance(finish, dict) else None
     if reason == "stop" and finish.get("matched") == NAN_MATCHED:
         raise BrokenSampleError(f"the server sampled from non-finite logits ({finish!r}) "
                                 f"after {len(ids)} tokens")
-    if reason not in ("stop", "length", "abort"):
-        raise EngineError(f"unexpected finish_reason {finish!r}")
+    if reason not in FINISH_TYPES:
+        raise BadAnswerError(f"/generate answered finish_reason {finish!r}; expected an "
+                             f"object whose type is one of {FINISH_TYPES}")
+    cached = meta.get("cached_tokens") or 0
     # SGLang reports only the end-to-end latency; it is booked as decode time.
-    return GenerateResult(output_ids=ids, logprobs=[float(p[0]) for p in pairs],
-                          finish_reason=reason,
+    return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=reason,
                           timings={"prefill_s": 0.0, "decode_s": latency, "queue_s": 0.0},
-                          cached_tokens=int(meta.get("cached_tokens") or 0),
+                          cached_tokens=cached if _is_int(cached) and cached >= 0 else 0,
                           policy_version=policy_version)
+
+
+def _output_tokens(item: dict, meta: dict, vocab: int) -> tuple[list[int], list[float]]:
+    """(ids, log-probs) of an answer from `output_token_logprobs` [[logprob, id, text],
+    ...], which must agree with `output_ids` where both are given."""
+    pairs = meta.get("output_token_logprobs")
+    if not isinstance(pairs, list) or not all(isinstance(p, list) and len(p) >= 2
+                                              for p in pairs):
+        raise BadAnswerError(f"/generate answered output_token_logprobs {_clip(pairs)}: "
+                             f"not a list of [logprob, token id, ...] entries")
+    ids, logprobs = [p[1] for p in pairs], [p[0] for p in pairs]
+    listed = item.get("output_ids", ids)
+    if listed != ids:
+        raise BadAnswerError(f"/generate answered {_clip(listed)} as output_ids but "
+                             f"log-probs for {_clip(ids)} ({len(ids)} ids)")
+    bad = [t for t in ids if not (_is_int(t) and 0 <= t < vocab)]
+    if bad:
+        raise BadAnswerError(f"/generate answered token ids {_clip(bad)} outside "
+                             f"[0, {vocab}) (integers below the vocabulary size)")
+    bad = [x for x in logprobs if not (isinstance(x, int | float) and not isinstance(x, bool)
+                                       and math.isfinite(x) and x <= LOGPROB_SLACK)]
+    if bad:
+        raise BadAnswerError(f"/generate answered log-probs {_clip(bad)}: each must be a "
+                             f"finite number <= 0")
+    return ids, [float(x) for x in logprobs]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _clip(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def error_text(status: int, body: bytes) -> str:
@@ -125,6 +199,9 @@ class _Server:
     down_until: float = 0.0
     last_error: str = ""
     version: int = 0  # weight version loaded (0: the weights it started with)
+    loading: int = 0  # version of the reload in progress (answers may already carry it)
+    reported: int = 0  # highest weight_version it reported to a client that loads none
+    paused: bool = False  # paused by this client and not yet confirmed continued
     reloads: int = 0
     reloads_begun: int = 0  # a request aborted after this changed is continued
     lock: asyncio.Lock | None = None  # held while reloading
@@ -154,19 +231,26 @@ class SGLangClient(Engine):
     sync_mode: "pause", "abort" or "drain" (module docstring).
     seeded: send request seeds (the servers must support sampling_seed).
     launchers: server processes this client owns and stops on close.
+    vocab_size: output ids must lie below it (default model_config's; unknown: 2**31).
+    on_restart: a server answering with an older weight version than this client loaded
+      into it (it restarted) is reloaded before its next request, and the answer is
+      re-requested ("reload") or its request fails with EngineError ("drop").
     """
 
     def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, max_retries: int = 3,
                  backoff: float = 0.5, down_s: float = 30.0, model_config=None,
                  export_dir: str | None = None, export_dtype: str = "bfloat16",
                  export_keep: int = 1, sync_mode: str = "pause", seeded: bool = True,
-                 launchers: Sequence[SGLangLauncher] = ()):
+                 launchers: Sequence[SGLangLauncher] = (), vocab_size: int | None = None,
+                 on_restart: str = "reload"):
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
         if sync_mode not in SYNC_MODES:
             raise ValueError(f"sync_mode must be one of {SYNC_MODES}, got {sync_mode!r}")
         if export_keep < 1:
             raise ValueError(f"export_keep must be >= 1, got {export_keep}")
+        if on_restart not in ON_RESTART:
+            raise ValueError(f"on_restart must be one of {ON_RESTART}, got {on_restart!r}")
         self.servers = [_Server(u.rstrip("/")) for u in urls]
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)
@@ -179,6 +263,8 @@ class SGLangClient(Engine):
         self.sync_mode = sync_mode
         self.seeded = bool(seeded)
         self.launchers = list(launchers)
+        self.vocab_size = vocab_size or getattr(model_config, "vocab_size", None)
+        self.on_restart = on_restart
         self.version = 0
         self.weights_path: str | None = None
         self._stats: dict[str, float] = {}
@@ -300,14 +386,14 @@ class SGLangClient(Engine):
                 return
             gate.clear()
             server.reloads_begun += 1
-            paused = False
+            server.loading = version
             try:
                 if self.sync_mode == "drain":
                     while server.outstanding:
                         await asyncio.sleep(0.005)
                 elif self.sync_mode == "pause":
+                    server.paused = True
                     await self._post(server, "/pause_generation", {"mode": "retract"})
-                    paused = True
                 body = {"model_path": path, "weight_version": str(version),
                         "abort_all_requests": self.sync_mode == "abort"}
                 answer = await self._post(server, "/update_weights_from_disk", body)
@@ -320,15 +406,39 @@ class SGLangClient(Engine):
                 self._mark_down(server, e)
                 raise
             finally:
-                if paused:
-                    with contextlib.suppress(ServerError, EngineError):
-                        await self._post(server, "/continue_generation", {})
-                gate.set()
+                try:
+                    await self._continue(server)
+                finally:
+                    gate.set()
+
+    async def _continue(self, server: _Server) -> None:
+        """Ends this client's pause of `server`: `/continue_generation` until it answers
+        200 (SGLang answers only after clearing its pause flag, and every /generate waits
+        on that flag), with up to `max_retries` retries; else marks the server down and
+        raises EngineError naming it (it gets no traffic until a later call succeeds)."""
+        if not server.paused:
+            return
+        for attempt in range(self.max_retries + 1):
+            try:
+                await self._post(server, "/continue_generation", {})
+            except (ServerError, EngineError) as e:
+                error = e
+                if attempt < self.max_retries:
+                    await asyncio.sleep(self.backoff * 2**attempt)
+                continue
+            server.paused = False
+            return
+        error = EngineError(f"{server.url} stays paused: /continue_generation failed "
+                            f"{self.max_retries + 1} times, last: {error}")
+        self._mark_down(server, error)
+        raise error
 
     async def _ready(self, server: _Server) -> None:
-        """Waits while `server` reloads; reloads it first if it missed a version."""
+        """Waits while `server` reloads; continues it if a pause was left unconfirmed;
+        reloads it first if it missed a version (or restarted)."""
         _, gate = server.gates()
         await gate.wait()
+        await self._continue(server)
         if server.version < self.version:
             await self._reload(server, self.weights_path, self.version)
 
@@ -393,17 +503,11 @@ class SGLangClient(Engine):
             except (ServerError, EngineError) as e:
                 attempt = await self._failed(server, e, attempt)
                 continue
-            server.outstanding += 1
             try:
-                begun, started_on = server.reloads_begun, await self._serving(server)
-                body = await self._post(server, "/generate", payload)
+                part, begun, started_on = await self._ask(server, payload)
             except ServerError as e:
                 attempt = await self._failed(server, e, attempt)
                 continue
-            finally:
-                server.outstanding -= 1
-            server.down_until = 0.0
-            part = parse_response(body, 0.0)
             ids, logprobs = ids + part.output_ids, logprobs + part.logprobs
             version = started_on if version is None else version
             left = req.max_new_tokens - len(ids)
@@ -429,17 +533,63 @@ class SGLangClient(Engine):
         raise EngineError(f"no inference server answered after {self.max_retries + 1} "
                           f"attempts: {status}")
 
+    async def _ask(self, server: _Server, payload: dict[str, Any]
+                   ) -> tuple[GenerateResult, int, int]:
+        """One /generate on `server` -> (checked result, reloads begun before it, the
+        weight version it started on); a malformed answer raises BadAnswerError."""
+        server.outstanding += 1
+        try:
+            begun, started_on = server.reloads_begun, await self._serving(server)
+            body = await self._post(server, "/generate", payload)
+        finally:
+            server.outstanding -= 1
+        part = parse_response(body, 0.0,
+                              max_new_tokens=payload["sampling_params"]["max_new_tokens"],
+                              vocab_size=self.vocab_size)
+        if "weight_version" in body["meta_info"]:
+            self._check_version(server, parse_weight_version(
+                body["meta_info"]["weight_version"]), started_on)
+        server.down_until = 0.0
+        return part, begun, started_on
+
+    def _check_version(self, server: _Server, reported: int, started_on: int) -> None:
+        """Refuses an answer whose weight version cannot be the one it was sampled under:
+        below the version it started on (the server restarted, or went backwards) or
+        above any version loaded into it. A restarted server is reloaded before its next
+        request; its answer is re-requested (`on_restart` "reload") or fails its
+        episode ("drop")."""
+        top = max(server.version, server.loading) if self.version else reported
+        if started_on <= reported <= top:
+            server.reported = max(server.reported, reported)
+            return
+        if reported > top:
+            raise BadAnswerError(f"{server.url} answered weight_version {reported}, above "
+                                 f"the newest it was given ({top})")
+        message = (f"{server.url} answered weight_version {reported} for a request sent "
+                   f"while it served version {started_on}: it restarted or went backwards")
+        if not self.version:  # another process loads the weights: nothing to reload
+            raise BadAnswerError(message)
+        server.version = min(server.version, reported)
+        if self.on_restart == "drop":
+            raise EngineError(message + "; its answer is dropped (on_restart='drop')")
+        raise ServerError(message + "; it is reloaded and the request sent again")
+
     async def _serving(self, server: _Server) -> int:
         """The weight version `server` serves now: the one this client loaded into it; for
         a client that has loaded none (the servers are shared with another process's
-        client, which updates them), the integer `weight_version` the server reports
+        client, which updates them), the `weight_version` the server reports
         (/get_model_info, as the updating client sent it; 0 for the weights it started
-        with)."""
+        with), which never goes backwards."""
         if self.version:
             return server.version
-        reported = str((await self._post(server, "/get_model_info", None)).get(
-            "weight_version", ""))
-        return int(reported) if reported.isdigit() else 0
+        info = await self._post(server, "/get_model_info", None)
+        reported = parse_weight_version(info.get("weight_version", "default")
+                                        if isinstance(info, dict) else info)
+        if reported < server.reported:
+            raise BadAnswerError(f"{server.url} reports weight_version {reported} after "
+                                 f"{server.reported}: it restarted or went backwards")
+        server.reported = reported
+        return reported
 
     async def _failed(self, server: _Server, error: BaseException, attempt: int) -> int:
         self._mark_down(server, error)
@@ -837,7 +987,7 @@ def from_config(config, workdir: str, model_config=None) -> SGLangClient:
                         model_config=model_config, export_dir=export_dir,
                         export_dtype=sg.export_dtype, export_keep=int(sg.export_keep),
                         sync_mode=sg.sync_mode, seeded=bool(sg.deterministic),
-                        launchers=launchers)
+                        launchers=launchers, on_restart=sg.on_restart)
 
 
 def _export_init(model_config, export_dir: str, seed: int, dtype: str) -> str:

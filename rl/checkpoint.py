@@ -11,8 +11,10 @@ to <step>.damaged when resuming falls back past it.
 from __future__ import annotations
 
 import base64
+import errno
 import logging
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -82,12 +84,30 @@ class Checkpointer:
         when `step` already holds a checkpoint (Orbax would skip the save silently)."""
         if int(step) in self._manager.all_steps():
             raise FileExistsError(f"checkpoint step {step} already exists in {self.directory}")
+        self._check_room(step)
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   host=ocp.args.JsonSave(encode_host(host or {})))
         if not self._manager.save(int(step), args=args, force=force):
             raise RuntimeError(f"checkpoint step {step} was not saved in {self.directory}")
         self._manager.wait_until_finished()
         return True
+
+    def _check_room(self, step: int) -> None:
+        """Refuses a save that cannot fit on a local disk before anything is written:
+        Orbax's writer threads, failing one array after another, would bury the cause
+        under a traceback each. The estimate is the newest checkpoint's size on disk
+        (the same arrays; Orbax compresses them, so their byte count would overstate it)."""
+        steps = self.all_steps()
+        if not steps or not os.path.isdir(self.directory):
+            return  # nothing to measure yet, or a bucket (gs://...)
+        newest = os.path.join(self.directory, str(max(steps)))
+        needed = sum(os.path.getsize(os.path.join(root, name))
+                     for root, _, names in os.walk(newest) for name in names)
+        free = shutil.disk_usage(self.directory).free
+        if needed > free:
+            raise OSError(errno.ENOSPC, f"no room for the checkpoint of step {step}: the "
+                          f"last one ({max(steps)}) takes {needed / 2**20:.1f} MiB and "
+                          f"{self.directory} has {free / 2**20:.1f} MiB free")
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()

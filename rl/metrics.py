@@ -29,6 +29,9 @@ from tensorboard.summary.writer.record_writer import RecordWriter
 
 log = logging.getLogger(__name__)
 
+# checkpoint step -> (metrics.jsonl rows, TensorBoard summaries) written when it was saved
+MARKS = "metrics_marks.json"
+
 
 def _float(value) -> float:
     return float(np.asarray(value).item())
@@ -55,12 +58,12 @@ def text_value(tag: str, text: str) -> summary_pb2.Summary.Value:
     return summary_pb2.Summary.Value(tag=tag, tensor=tensor, metadata=meta)
 
 
-def drop_rows_after(path: str, step: int) -> int:
+def drop_rows_after(path: str, step: int, rows: int | None = None) -> int:
     """Keeps the rows of `path` (a metrics.jsonl) up to the last one whose step is <=
     `step` (rows of later steps precede it only for the SFT warm start, whose steps
-    count its own updates) and drops the rest, including a line cut short by a kill.
-    The file is replaced whole (written beside it, then renamed). Returns the number of
-    lines dropped."""
+    count its own updates), or the first `rows` rows when given, and drops the rest,
+    including a line cut short by a kill. The file is replaced whole (written beside
+    it, then renamed). Returns the number of lines dropped."""
     if not os.path.exists(path):
         return 0
     with open(path) as f:
@@ -71,7 +74,7 @@ def drop_rows_after(path: str, step: int) -> int:
             row = json.loads(line)
         except json.JSONDecodeError:
             break
-        if row["step"] <= step:
+        if (row["step"] <= step) if rows is None else i < rows:
             keep = i + 1
     if keep < len(lines):
         with open(path + ".tmp", "w") as f:
@@ -82,22 +85,22 @@ def drop_rows_after(path: str, step: int) -> int:
     return len(lines) - keep
 
 
-def drop_events_after(tb_dir: str, step: int) -> int:
+def drop_events_after(tb_dir: str, step: int, summaries: int | None = None) -> int:
     """drop_rows_after for the TensorBoard event files of `tb_dir`: in file order (one
     file per start, named by its start time), keeps the events up to the last summary
-    whose step is <= `step` (none if no summary qualifies), rewrites the file that holds
-    it without the rest (and without a record cut short by a kill), and deletes later
-    files. Returns the number of summaries dropped. Without this a resumed run's steps
-    would appear twice."""
-    paths = sorted(p for p in glob.glob(os.path.join(tb_dir, "events.out.tfevents.*"))
-                   if not p.endswith(".tmp"))
-    # Raw records, written back byte for byte (EventFileLoader would migrate them).
-    events = [(path, [(record, event_pb2.Event.FromString(record))
-                      for record in RawEventFileLoader(path).Load()]) for path in paths]
+    whose step is <= `step` (none if no summary qualifies), or up to the `summaries`-th
+    summary when given, rewrites the file that holds it without the rest (and without a
+    record cut short by a kill), and deletes later files. Returns the number of
+    summaries dropped. Without this a resumed run's steps would appear twice."""
+    events = _event_files(tb_dir)
     cut = (0, 0)  # (file index, events kept in it): nothing, unless a summary qualifies
+    seen = 0
     for i, (_, file_events) in enumerate(events):
         for j, (_, event) in enumerate(file_events):
-            if event.HasField("summary") and event.step <= step:
+            if not event.HasField("summary"):
+                continue
+            seen += 1
+            if (event.step <= step) if summaries is None else seen <= summaries:
                 cut = (i, j + 1)
     dropped = 0
     for i, (path, file_events) in enumerate(events):
@@ -118,33 +121,86 @@ def drop_events_after(tb_dir: str, step: int) -> int:
     return dropped
 
 
+def _event_files(tb_dir: str) -> list[tuple[str, list[tuple[bytes, event_pb2.Event]]]]:
+    """(path, [(raw record, event)]) of each event file of `tb_dir`, in file order; raw
+    records are written back byte for byte (EventFileLoader would migrate them)."""
+    paths = sorted(p for p in glob.glob(os.path.join(tb_dir, "events.out.tfevents.*"))
+                   if not p.endswith(".tmp"))
+    return [(path, [(record, event_pb2.Event.FromString(record))
+                     for record in RawEventFileLoader(path).Load()]) for path in paths]
+
+
+def _count_rows(path: str) -> int:
+    if not os.path.exists(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
 class MetricWriter:
     """Writes scalars, histograms and text for `workdir`.
 
     write_scalars also appends {"step": step, **scalars} as one line to
     workdir/metrics.jsonl (non-finite values become null there).
-    resume_step: the step the run restarts from (0 for a fresh start); rows written
-    after that step's last row, by a run killed before its next checkpoint, are
-    dropped from metrics.jsonl and from the TensorBoard events, since the resumed run
-    writes those steps again.
+    resume_step: the checkpoint step the run restarts from, or -1 for a start without
+    a checkpoint. What a killed run wrote after that checkpoint (the resumed run writes
+    it again) is dropped from metrics.jsonl and the TensorBoard events: exactly the
+    rows and summaries written after `mark(resume_step)` where the run marked that
+    step, else those of later steps (see drop_rows_after); -1 drops everything,
+    e.g. an SFT warm start cut short by a kill (it runs again from its first step).
     """
 
     def __init__(self, workdir: str, resume_step: int | None = None):
         self.enabled = jax.process_index() == 0
         if not self.enabled:
             return
-        os.makedirs(os.path.join(workdir, "tb"), exist_ok=True)
+        self._marks_path = os.path.join(workdir, MARKS)
+        jsonl, tb = os.path.join(workdir, "metrics.jsonl"), os.path.join(workdir, "tb")
+        os.makedirs(tb, exist_ok=True)
+        self._marks = self._read_marks()
         if resume_step is not None:
-            drop_rows_after(os.path.join(workdir, "metrics.jsonl"), resume_step)
-            drop_events_after(os.path.join(workdir, "tb"), resume_step)
-        self._events = EventFileWriter(os.path.join(workdir, "tb"))
+            rows, summaries = self._marks.get(str(resume_step), (None, None))
+            drop_rows_after(jsonl, resume_step, rows)
+            drop_events_after(tb, resume_step, summaries)
+            self._marks = {k: v for k, v in self._marks.items() if int(k) <= resume_step}
+            self._save_marks()
+        self.rows = _count_rows(jsonl)
+        self.summaries = sum(e.HasField("summary") for _, events in _event_files(tb)
+                             for _, e in events)
+        self._events = EventFileWriter(tb)
         # Line-buffered: a crash or kill loses no written step.
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)  # noqa: SIM115
+        self._jsonl = open(jsonl, "a", buffering=1)  # noqa: SIM115
+
+    def mark(self, step: int) -> None:
+        """Records that a checkpoint of `step` holds everything written so far (flushed
+        first): a run resumed from it keeps exactly these rows and summaries."""
+        if not self.enabled:
+            return
+        self.flush()
+        self._marks[str(int(step))] = (self.rows, self.summaries)
+        self._save_marks()
+
+    def _read_marks(self) -> dict[str, tuple[int, int]]:
+        try:
+            with open(self._marks_path) as f:
+                return {k: tuple(v) for k, v in json.load(f).items()}
+        except FileNotFoundError:
+            return {}
+        except (ValueError, TypeError, AttributeError):
+            log.warning("%s is unreadable: metric rows are cut by step on resume",
+                        self._marks_path)
+            return {}
+
+    def _save_marks(self) -> None:
+        with open(self._marks_path + ".tmp", "w") as f:
+            json.dump(self._marks, f)
+        os.replace(self._marks_path + ".tmp", self._marks_path)
 
     def _write(self, step: int, values: list[summary_pb2.Summary.Value]) -> None:
         event = event_pb2.Event(wall_time=time.time(), step=int(step),
                                 summary=summary_pb2.Summary(value=values))
         self._events.add_event(event)
+        self.summaries += 1
 
     def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
         if not self.enabled:
@@ -155,6 +211,7 @@ class MetricWriter:
         row = {"step": int(step), **{k: v if math.isfinite(v) else None
                                      for k, v in values.items()}}
         self._jsonl.write(json.dumps(row) + "\n")
+        self.rows += 1
 
     def write_histograms(self, step: int, arrays: Mapping[str, np.ndarray],
                          bins: int = 30) -> None:

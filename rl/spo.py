@@ -117,30 +117,64 @@ def offline_prior(successes, n0, rho_min: float = 0.875,
     raise ValueError(f"offline init form must be 'paper' or 'reference', got {form!r}")
 
 
+MAX_OFFLINE_N = 1_000_000  # offline samples of one prompt; more is a broken file
+
+
+class OfflineValuesError(ValueError):
+    """A line of an offline values file that is not a valid row; names file, line, field."""
+
+
 def load_offline_values(path: str) -> tuple[list[str], np.ndarray, np.ndarray]:
     """(task_ids, successes[P], n[P]) from a JSONL file of offline samples, one line per
-    prompt: {"task_id": str, "successes": int, "n": int} (0 <= successes <= n, n >= 1).
-    Errors name the file and line."""
-    ids, succ, n = [], [], []
-    with open(path) as f:
-        for line_no, line in enumerate(f, 1):
+    prompt: {"task_id": non-empty str, "successes": int, "n": int} with 0 <= successes
+    <= n and 1 <= n <= MAX_OFFLINE_N, counts written as JSON integers (not 1.7, "3",
+    true or 1e30). OfflineValuesError names the file, line and field."""
+    from env.tasks import decode_line
+
+    ids, succ, n, lines = [], [], [], {}
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}:{line_no}"
+            line = decode_line(raw, where, OfflineValuesError)
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-                task_id, s, k = row["task_id"], row["successes"], row["n"]
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{line_no}: need a JSON object with task_id, "
-                                 f"successes and n ({e!r})") from None
-            if not isinstance(task_id, str) or not 0 <= int(s) <= int(k) or int(k) < 1:
-                raise ValueError(f"{path}:{line_no}: need a str task_id and "
-                                 f"0 <= successes <= n, n >= 1; got {row}")
+            task_id, s, k = _offline_row(line, where)
+            if task_id in lines:
+                raise OfflineValuesError(f"{where}: field 'task_id' {task_id!r} repeats "
+                                         f"line {lines[task_id]}")
+            lines[task_id] = line_no
             ids.append(task_id)
-            succ.append(int(s))
-            n.append(int(k))
-    if len(set(ids)) != len(ids):
-        raise ValueError(f"{path}: a task_id appears more than once")
+            succ.append(s)
+            n.append(k)
     return ids, np.array(succ, np.int64), np.array(n, np.int64)
+
+
+def _offline_row(line: str, where: str) -> tuple[str, int, int]:
+    try:
+        row = json.loads(line, parse_constant=lambda name: name)  # NaN: a string, refused
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise OfflineValuesError(f"{where}: invalid JSON: {getattr(e, 'msg', e)}") from None
+    if not isinstance(row, dict):
+        raise OfflineValuesError(f"{where}: a row must be a JSON object with task_id, "
+                                 f"successes and n, got {row!r}"[:300])
+    for field in ("task_id", "successes", "n"):
+        if field not in row:
+            raise OfflineValuesError(f"{where}: missing field '{field}'")
+    task_id, s, k = row["task_id"], row["successes"], row["n"]
+    if not isinstance(task_id, str) or not task_id:
+        raise OfflineValuesError(f"{where}: field 'task_id' must be a non-empty string, "
+                                 f"got {task_id!r}")
+    for field, value in (("successes", s), ("n", k)):
+        if type(value) is not int:
+            raise OfflineValuesError(f"{where}: field '{field}' must be an integer count, "
+                                     f"got {value!r}")
+    if not 1 <= k <= MAX_OFFLINE_N:
+        raise OfflineValuesError(f"{where}: field 'n' must be in [1, {MAX_OFFLINE_N}], "
+                                 f"got {k}")
+    if not 0 <= s <= k:
+        raise OfflineValuesError(f"{where}: field 'successes' must satisfy 0 <= "
+                                 f"successes <= n (n = {k}), got {s}")
+    return task_id, s, k
 
 
 @dataclasses.dataclass

@@ -23,6 +23,14 @@ What it reproduces:
 - A prompt holding `nan_token` finishes with `{"type": "stop", "matched": "NaN happened"}`.
 - `error_style` chooses how 400s are written: SGLang's `{"error": {"message": ...}}`,
   a plain string under "error", or a text body.
+- `meta_info.weight_version` is the server's weight version when the answer is written
+  (tokenizer_manager.py: `self.server_args.weight_version`): "default" until a reload
+  names one.
+
+For tests of a misbehaving server: `faults[route]` is a list of failures the next calls
+of `route` meet instead of running (an HTTP status, or "drop" to close the connection
+unanswered); `answer_hook` rewrites each /generate answer before it is sent; `restart()`
+puts the server back to its launch weights, as a process restarted on its port would be.
 
 Token i of an output is a function of the whole context, so a request continued from
 its tokens so far produces what the uninterrupted request would have.
@@ -64,6 +72,9 @@ class StubSGLang:
         self.reloads: list[str] = []  # model_path of every reload, in order
         self.reload_overlaps = 0  # token steps taken while a reload ran (must stay 0)
         self.generated_requests = 0
+        self.faults: dict[str, list[int | str]] = {}
+        self.answer_hook = None
+        self.routes_called: list[str] = []
         self._readers = 0
         self._writer = False
         self._lock_cond = asyncio.Condition()
@@ -78,7 +89,7 @@ class StubSGLang:
     # ------------------------------------------------------------------ lifetime
 
     async def start(self) -> StubSGLang:
-        app = web.Application()
+        app = web.Application(middlewares=[self._inject_faults])
         app.add_routes([
             web.post("/generate", self.generate),
             web.get("/health", self.health),
@@ -101,6 +112,22 @@ class StubSGLang:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+
+    def restart(self) -> None:
+        """The state of a fresh process on the launch weights (pause flag cleared)."""
+        self.weight_version, self.model_path, self._paused = "default", "init", False
+
+    @web.middleware
+    async def _inject_faults(self, http: web.Request, handler):
+        self.routes_called.append(http.path)
+        queue = self.faults.get(http.path)
+        if not queue:
+            return await handler(http)
+        fault = queue.pop(0)
+        if fault == "drop":
+            http.transport.close()
+            return web.Response()
+        return web.json_response({"error": {"message": f"injected {fault}"}}, status=fault)
 
     # ------------------------------------------------------------------ model_update_lock
 
@@ -169,7 +196,10 @@ class StubSGLang:
                 "completion_tokens": len(out), "cached_tokens": 0,
                 "weight_version": self.weight_version,
                 "output_token_logprobs": [[token_logprob(t), t, None] for t in out]}
-        return web.json_response({"text": "", "output_ids": out, "meta_info": meta})
+        answer = {"text": "", "output_ids": out, "meta_info": meta}
+        if self.answer_hook is not None:
+            answer = self.answer_hook(answer)
+        return web.json_response(answer)
 
     async def _decode(self, rid: str, ids: list[int], max_new: int, stops: set[int]):
         out: list[int] = []

@@ -285,3 +285,56 @@ def test_reader_falls_back_without_moving_anything(tmp_path):
     np.testing.assert_array_equal(state["w"], np.arange(1000.0) * 2)
     assert not glob.glob(os.path.join(tmp_path, "ckpt", "*.damaged*"))
     ckpt.close()
+
+
+def test_a_save_without_room_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """A disk with less room than the last checkpoint takes (shutil.disk_usage reports
+    what statvfs says; here it says 1 KiB): the save raises ENOSPC naming the sizes, and
+    Orbax starts no write whose threads would each print a traceback."""
+    import errno
+
+    ckpt, _ = _saved(tmp_path, steps=(1,))
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage",
+                        lambda path: real(path)._replace(free=1024))
+    with pytest.raises(OSError, match=r"no room for the checkpoint of step 2: the last one "
+                                      r"\(1\) takes 0\.\d MiB and .*ckpt has 0\.0 MiB free") as e:
+        ckpt.save(2, {"w": np.zeros(1000)}, {"step": 2})
+    assert e.value.errno == errno.ENOSPC
+    assert ckpt.all_steps() == [1] and sorted(os.listdir(ckpt.directory)) == ["1"]
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    assert ckpt.save(2, {"w": np.zeros(1000)}, {"step": 2}) and ckpt.all_steps() == [1, 2]
+    ckpt.close()
+
+
+FILLING_DISK = textwrap.dedent("""
+    import os, shutil, sys
+    import train
+
+    real, ckpt_dir = shutil.disk_usage, os.path.join(sys.argv[1], "ckpt")
+
+    def filling(path):  # full once the warm start's checkpoint is written
+        full = os.path.isdir(os.path.join(ckpt_dir, "0"))
+        return real(path)._replace(free=0) if full else real(path)
+
+    shutil.disk_usage = filling
+    train.main(["--config", "configs/default.py:smoke", "--workdir", sys.argv[1],
+                "--compilation_cache", ""])
+""")
+
+
+def test_a_full_disk_stops_training_with_one_message(tmp_path):
+    """train.py on a disk that fills after the warm start's checkpoint: the run stops at
+    the next checkpoint with exit code 1 and one line naming the cause, no traceback."""
+    script, workdir = tmp_path / "run.py", tmp_path / "run"
+    script.write_text(FILLING_DISK)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run([sys.executable, str(script), str(workdir)], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert " stopped: OSError: [Errno 28] no room for the checkpoint of step 1: the last " \
+           "one (0) takes" in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Event loop is closed" not in proc.stderr
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1  # step 1 ran; its checkpoint was refused

@@ -320,3 +320,65 @@ def test_config_files_import_only_ml_collections_and_configs():
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# String keys that name something open-ended (a path, a host, a command, a registry
+# name checked by its owner), not one of a few choices.
+FREE_TEXT = {"advantage", "distributed.coordinator", "engine.sglang.command",
+             "engine.sglang.export_dir", "engine.sglang.host", "engine.sglang.python",
+             "env.image", "env.image_template", "env.tasks", "model.hf_path",
+             "spo.init_values", "tokenizer.path"}
+
+
+def test_every_string_key_has_choices_or_is_free_text():
+    keys = {key for config in _all_configs() for key, value in _flat(config).items()
+            if isinstance(value, str) or value is None}
+    missing = keys - set(common.CHOICES) - FREE_TEXT
+    assert not missing, f"string config keys without allowed values in " \
+                        f"configs.common.CHOICES: {sorted(missing)}"
+    every_key = set().union(*(_flat(c) for c in _all_configs()))
+    assert set(common.CHOICES) <= every_key, sorted(set(common.CHOICES) - every_key)
+
+
+def test_choices_agree_with_the_code_that_reads_them():
+    from env import sandbox
+    from inference import sglang
+    from kernels.logprob import api as logprob_api
+    from rl import loss
+
+    owners = {"model.preset": tuple(qwen3.PRESETS), "model.remat": tuple(qwen3.REMAT_POLICIES),
+              "model.attention": qwen3.ATTENTION_IMPLS,
+              "engine.sglang.sync_mode": sglang.SYNC_MODES,
+              "engine.sglang.on_restart": sglang.ON_RESTART, "env.backend": sandbox.BACKENDS,
+              "learner.logprob_impl": (None, *logprob_api.IMPLEMENTATIONS),
+              "learner.loss.name": tuple(loss.TOKEN_LOSSES),
+              "learner.loss.agg": tuple(loss.AGGREGATIONS), "learner.loss.kl": loss.KL_KINDS}
+    for key, values in owners.items():
+        assert set(common.CHOICES[key]) == set(values), key
+
+
+@pytest.mark.parametrize("key", sorted(common.CHOICES))
+def test_a_typo_in_an_enumerated_key_is_refused_naming_the_key(key):
+    for config in _all_configs():
+        if key in _flat(config):
+            common.apply_overrides(config, {key: "typo"})
+            with pytest.raises(ValueError, match=rf"{key.replace('.', '[.]')}='typo' "
+                                                 rf"\(allowed: .*{common.CHOICES[key][-1]!r}"):
+                setup.check_config(config)
+
+
+@pytest.mark.parametrize("override", ["env.backend=dokcer", "engine.kind=sglnag",
+                                      "engine.sglang.sync_mode=paws"])
+def test_dry_run_refuses_a_typo_in_the_backend_or_engine(override, capsys):
+    key, value = override.split("=")
+    with pytest.raises(ValueError, match=rf"{key}='{value}' \(allowed: "):
+        _dry_run("configs/default.py", capsys, override)
+
+
+def test_a_config_path_that_is_a_directory_or_has_no_get_config(tmp_path):
+    with pytest.raises(ValueError, match=f"config '{tmp_path}' is not a Python file"):
+        common.load_config(str(tmp_path))
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="defines no get_config"):
+        common.load_config(str(empty))

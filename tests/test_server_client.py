@@ -541,3 +541,38 @@ def test_return_logprob_reaches_each_request():
     assert [r.return_logprob for r, _ in requests] == [True, False]
     _, requests, _ = parse_generate({"input_ids": [4], "sampling_params": params})
     assert [r.return_logprob for r, _ in requests] == [False]
+
+
+def test_a_restarted_server_is_reloaded_before_its_answers_are_used(models, references):
+    """The project's server, restarted on its port with its launch weights ("a") after
+    the client loaded "b" into it: the client sees weight_version "default" where it
+    loaded 1, reloads "b", and answers only with "b"'s outputs, labelled version 1."""
+    from aiohttp import web
+
+    from inference.server import Server
+
+    reqs = requests(4, offset=5)
+    port = free_port()
+
+    async def start():
+        engine = EmbeddedEngine(models["a"][0], **ENGINE)
+        runner = web.AppRunner(Server(engine, model_path=models["a"][1]).app())
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner, engine
+
+    async def go():
+        runner, engine = await start()
+        async with SGLangClient([f"http://127.0.0.1:{port}"], backoff=0.01) as client:
+            await client.update_weights(models["b"][1])
+            await runner.cleanup()
+            engine.close()
+            runner, engine = await start()  # the same port, the launch weights
+            results = await client.generate(reqs)
+        await runner.cleanup()
+        engine.close()
+        return results
+
+    results = run(go())
+    assert_same(results, run(references["b"].generate(reqs)))
+    assert {r.policy_version for r in results} == {1}

@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 from rl.spo import (
+    MAX_OFFLINE_N,
     BetaTracker,
+    OfflineValuesError,
     PrioritizedSampler,
+    load_offline_values,
     offline_prior,
     policy_drift,
     rho_from_drift,
@@ -215,3 +218,59 @@ def test_tracker_state_round_trip_exact():
     assert tracker.values(ids).tolist() == other.values(ids).tolist()
     assert other.pending_d_requests(["t3"])["t3"].logp.tolist() == pytest.approx(
         [-0.1, -0.2, -0.3])
+
+
+GOOD_ROW = '{"task_id": "a", "successes": 1, "n": 2}'
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"task_id": "b", "successes": "abc", "n": 2}',
+     "field 'successes' must be an integer count, got 'abc'"),
+    ('{"task_id": "b", "successes": null, "n": 2}',
+     "field 'successes' must be an integer count, got None"),
+    ('{"task_id": "b", "successes": NaN, "n": 2}',
+     "field 'successes' must be an integer count, got 'NaN'"),
+    ('{"task_id": "b", "successes": 1, "n": Infinity}',
+     "field 'n' must be an integer count, got 'Infinity'"),
+    ('{"task_id": "b", "successes": 1, "n": 1e30}',
+     "field 'n' must be an integer count, got 1e+30"),
+    ('{"task_id": "b", "successes": 1.7, "n": 3.9}',
+     "field 'successes' must be an integer count, got 1.7"),
+    ('{"task_id": "b", "successes": 1, "n": 3.9}', "field 'n' must be an integer count, got 3.9"),
+    ('{"task_id": "b", "successes": "3", "n": 4}',
+     "field 'successes' must be an integer count, got '3'"),
+    ('{"task_id": "b", "successes": true, "n": 4}',
+     "field 'successes' must be an integer count, got True"),
+    ('{"task_id": "", "successes": 1, "n": 4}',
+     "field 'task_id' must be a non-empty string, got ''"),
+    ('{"task_id": 7, "successes": 1, "n": 4}', "field 'task_id' must be a non-empty string"),
+    ('{"task_id": "b", "successes": 1, "n": 1000000000000000}',
+     f"field 'n' must be in [1, {MAX_OFFLINE_N}], got 1000000000000000"),
+    ('{"task_id": "b", "successes": 0, "n": 0}', "field 'n' must be in [1, "),
+    ('{"task_id": "b", "successes": 5, "n": 4}',
+     "field 'successes' must satisfy 0 <= successes <= n (n = 4), got 5"),
+    ('{"task_id": "b", "n": 4}', "missing field 'successes'"),
+    ('[1, 2]', "a row must be a JSON object"),
+    ('{"task_id": "b",', "invalid JSON"),
+    (GOOD_ROW, "field 'task_id' 'a' repeats line 1"),
+])
+def test_offline_values_errors_name_file_line_and_field(tmp_path, line, message):
+    path = tmp_path / "values.jsonl"
+    path.write_text(GOOD_ROW + "\n\n" + line + "\n")
+    with pytest.raises(OfflineValuesError) as err:
+        load_offline_values(str(path))
+    assert str(err.value).startswith(f"{path}:3: {message}")
+
+
+def test_offline_values_invalid_utf8_names_the_line(tmp_path):
+    path = tmp_path / "values.jsonl"
+    path.write_bytes(GOOD_ROW.encode() + b'\n{"task_id": "\xc3(", "successes": 0, "n": 1}\n')
+    with pytest.raises(OfflineValuesError, match=f"{path}:2: not UTF-8 text"):
+        load_offline_values(str(path))
+
+
+def test_offline_values_read_exactly(tmp_path):
+    path = tmp_path / "values.jsonl"
+    path.write_text(GOOD_ROW + '\n{"task_id": "b", "successes": 0, "n": 1000000}\n')
+    ids, s, n = load_offline_values(str(path))
+    assert ids == ["a", "b"] and s.tolist() == [1, 0] and n.tolist() == [2, 1_000_000]

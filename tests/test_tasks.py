@@ -1,6 +1,7 @@
 """Task schema and JSONL loader: SWE-bench and R2E-Gym rows, and errors naming line and field."""
 
 import json
+import re
 
 import pytest
 
@@ -147,7 +148,7 @@ def test_bad_row_names_line_and_field(tmp_path, row, line_field):
 
 
 def test_invalid_json_line_is_named(tmp_path):
-    path = _write(tmp_path, [R2E_ROW, R2E_ROW, "{broken"])
+    path = _write(tmp_path, [R2E_ROW, SWE_BENCH_ROW, "{broken"])
     with pytest.raises(TaskRowError, match=r"tasks\.jsonl:3: invalid JSON"):
         load_tasks(path)
 
@@ -155,3 +156,50 @@ def test_invalid_json_line_is_named(tmp_path):
 def test_non_object_row(tmp_path):
     with pytest.raises(TaskRowError, match=r":1: a row must be a JSON object"):
         load_tasks(_write(tmp_path, ["[1, 2]"]))
+
+
+NATIVE = {"instance_id": "t", "problem_statement": "x", "repo_files": {"a.py": "1"}}
+
+
+@pytest.mark.parametrize("row, message", [
+    ({**NATIVE, "difficulty": True}, "field 'difficulty' must be an integer level or text, "
+                                     "got True"),
+    ({**NATIVE, "workdir": "testbed"}, "field 'workdir' must be an absolute path"),
+    ({**NATIVE, "workdir": "/testbed/../etc"}, "field 'workdir' must be an absolute path"),
+    ({**NATIVE, "workdir": "/"}, "field 'workdir' must be an absolute path below /"),
+    ({k: v for k, v in NATIVE.items() if k != "repo_files"} | {"repo_dir": "/etc"},
+     "field 'repo_dir' is '/etc' (the host's /etc): a task repository may not be"),
+    ({k: v for k, v in NATIVE.items() if k != "repo_files"} | {"repo_dir": "/usr/lib/.."},
+     "field 'repo_dir' is '/usr/lib/..' (the host's /usr)"),
+    ({k: v for k, v in NATIVE.items() if k != "repo_files"} | {"repo_dir": "/"},
+     "field 'repo_dir' is '/' (the host's /)"),
+])
+def test_unsafe_or_coerced_fields_are_refused_with_line_and_field(tmp_path, row, message):
+    path = _write(tmp_path, [SWE_BENCH_ROW, row])
+    with pytest.raises(TaskRowError, match=re.escape(f"{path}:2: {message}")):
+        load_tasks(path)
+
+
+def test_a_link_to_a_system_directory_is_refused(tmp_path):
+    (tmp_path / "repo").symlink_to("/etc")
+    row = {"instance_id": "t", "problem_statement": "x", "repo_dir": str(tmp_path / "repo")}
+    with pytest.raises(TaskRowError, match=r":1: field 'repo_dir' .* \(the host's /etc\)"):
+        load_tasks(_write(tmp_path, [row]))
+    (tmp_path / "ok").mkdir()
+    (task,) = load_tasks(_write(tmp_path, [{**row, "repo_dir": str(tmp_path / "ok")}]))
+    assert task.repo_dir == str(tmp_path / "ok")
+
+
+def test_a_repeated_instance_id_names_both_lines(tmp_path):
+    path = _write(tmp_path, [NATIVE, {**NATIVE, "instance_id": "u"}, "", NATIVE])
+    with pytest.raises(TaskRowError, match=re.escape(
+            f"{path}:4: field 'instance_id' 't' repeats line 1")):
+        load_tasks(path)
+
+
+def test_invalid_utf8_names_the_line_and_byte(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(json.dumps(NATIVE).encode() + b"\n" + b'{"instance_id": "\xff"}\n')
+    with pytest.raises(TaskRowError, match=re.escape(
+            f"{path}:2: not UTF-8 text (byte 18 of the line is b'\\xff')")):
+        load_tasks(str(path))
