@@ -346,6 +346,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "engine.sglang.on_restart": ("reload", "drop"),
     "engine.sglang.export_dtype": ("bfloat16", "float16", "float32"),
     "env.backend": ("local", "docker"),
+    "rollout.grading": ("fresh", "in_place"),
     "ps.replay": ("patch", "reexec"),
     "spo.rho_type": ("kl", "constant"), "spo.init_form": ("reference", "paper"),
     "spo.duplicates": ("sequential", "last"), "spo.unseen": ("draw", "skip"),

@@ -341,7 +341,7 @@ def test_every_string_key_has_choices_or_is_free_text():
 
 
 def test_choices_agree_with_the_code_that_reads_them():
-    from env import sandbox
+    from env import grading, sandbox
     from inference import sglang
     from kernels.logprob import api as logprob_api
     from rl import loss
@@ -350,6 +350,7 @@ def test_choices_agree_with_the_code_that_reads_them():
               "model.attention": qwen3.ATTENTION_IMPLS,
               "engine.sglang.sync_mode": sglang.SYNC_MODES,
               "engine.sglang.on_restart": sglang.ON_RESTART, "env.backend": sandbox.BACKENDS,
+              "rollout.grading": grading.GRADINGS,
               "learner.logprob_impl": (None, *logprob_api.IMPLEMENTATIONS),
               "learner.loss.name": tuple(loss.TOKEN_LOSSES),
               "learner.loss.agg": tuple(loss.AGGREGATIONS), "learner.loss.kl": loss.KL_KINDS}
