@@ -10,8 +10,10 @@ graded fresh (the default) unless the case says otherwise:
 - untouched: a read-only step, no edit: expected 0.
 - gold: the row's patch made with the agent's tools (git apply through execute_bash):
   expected 1.
-- wrong_fix: an edit that rejects the empty name with TypeError where the tests expect
-  ValueError: expected 0.
+- wrong_fix: a plausible edit that does not fix the issue (WRONG_FIXES: pallets__flask-5014
+  rejects the empty name with TypeError where the tests expect ValueError;
+  pallets__flask-4992 adds the `text` parameter but still opens the file in text mode):
+  expected 0.
 - no_interpreter: the gold patch, but the test command names an interpreter that is not in
   the image: the tests never run, expected env_error.
 - image_without_pytest: the gold patch in a copy of the task's image without pytest (made
@@ -21,8 +23,8 @@ graded fresh (the default) unless the case says otherwise:
   fresh, 1 graded in place.
 
 The images are built beforehand (README: scripts/build_repo_image.sh). Prints one JSON
-object: per row, each case's reward, status, error and seconds, and whether it graded as
-expected.
+object: per row, each case's reward, status, error, the test log's summary line and
+seconds, and whether it graded as expected.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import shlex
 import sys
 import time
@@ -40,11 +43,18 @@ from env.episode import Episode, sandbox_factory
 from env.tasks import Task, load_tasks
 
 SITE = "/usr/local/lib/python3.11/dist-packages"
-# The wrong fix and the package copy the hack puts first on sys.path are flask's own
-# (src/flask/blueprints.py); other repositories' rows run the first five cases only.
-WRONG_FIX = {"path": "src/flask/blueprints.py", "old_str": '        if "." in name:\n',
-             "new_str": '        if not name:\n            raise TypeError("empty name")\n\n'
-                        '        if "." in name:\n'}
+# Per row: a file_editor str_replace that changes the code without fixing the issue. The
+# wrong fix and the package copy the hack puts first on sys.path (src/flask) are flask's
+# own; other rows run the untouched, gold and never-ran cases only.
+WRONG_FIXES = {
+    "pallets__flask-5014": {
+        "path": "src/flask/blueprints.py", "old_str": '        if "." in name:\n',
+        "new_str": '        if not name:\n            raise TypeError("empty name")\n\n'
+                   '        if "." in name:\n'},
+    "pallets__flask-4992": {
+        "path": "src/flask/config.py", "old_str": "        silent: bool = False,\n",
+        "new_str": "        silent: bool = False,\n        text: bool = True,\n"},
+}
 EXPECTED = {"untouched": 0.0, "gold": 1.0, "wrong_fix": 0.0, "no_interpreter": None,
             "image_without_pytest": None, "pth_hack_fresh": 0.0, "pth_hack_in_place": 1.0}
 
@@ -67,6 +77,13 @@ def pth_hack(task: Task) -> list[dict]:
                  f"&& echo {shlex.quote(hook)} > {SITE}/aaa_fixed.pth && git status --short")]
 
 
+def log_summary(output: str) -> str:
+    """The test log's pytest summary line, else its last line."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    summaries = [line for line in lines if re.fullmatch(r"=+ .* in [\d.]+s.* =+", line)]
+    return (summaries or lines or [""])[-1][:200]
+
+
 def run_case(factory, task: Task, actions: list[dict], grading: str = "fresh") -> dict:
     start = time.perf_counter()
     with Episode(factory, task, grading=grading) as episode:
@@ -77,6 +94,7 @@ def run_case(factory, task: Task, actions: list[dict], grading: str = "fresh") -
             episode.step(action)
         reward = episode.reward()
         return {"reward": reward, "status": episode.status, "error": episode.error,
+                "log": log_summary(episode.test_output),
                 "patch_bytes": len(episode.steps[-1].patch) if episode.steps else 0,
                 "seconds": round(time.perf_counter() - start, 2)}
 
@@ -111,9 +129,10 @@ def grade_row(client, task: Task) -> dict:
                                                  gold)
     finally:
         client.images.remove(broken, force=True)
+    if task.instance_id in WRONG_FIXES:
+        cases["wrong_fix"] = run_case(factory, task, [{"name": "file_editor", "arguments": {
+            "command": "str_replace", **WRONG_FIXES[task.instance_id]}}])
     if task.repo == "pallets/flask":
-        cases["wrong_fix"] = run_case(factory, task, [
-            {"name": "file_editor", "arguments": {"command": "str_replace", **WRONG_FIX}}])
         cases["pth_hack_fresh"] = run_case(factory, task, pth_hack(task))
         cases["pth_hack_in_place"] = run_case(factory, task, pth_hack(task), "in_place")
     for name, case in cases.items():
