@@ -29,11 +29,11 @@ Graded once per patch (`GradeCache`): with fresh grading the reward is a functio
 the task and the patch, so an episode whose final patch was graded before, for the
 same task, takes that grade without running the tests again.
 
-A run in which none of the listed tests ran (the interpreter is missing, collection
-failed, nothing was collected, pytest stopped on an internal error, the parser found
-none of them, the run timed out) is no task outcome (the log parsers and this
-classification are checked against pytest 7, 8 and 9). The tests are then run once
-more from a reference state (base + gold patch + test_patch, or base + test_patch
+A run in which none of the listed tests ran (the interpreter or the test runner is
+missing, collection failed, nothing was collected, pytest stopped on an internal error,
+the parser found none of them, the run timed out) is no task outcome (the log parsers
+and this classification are checked against pytest 7, 8 and 9). The tests are then run
+once more from a reference state (base + gold patch + test_patch, or base + test_patch
 without a gold patch): if they run there, the agent's change stopped them and the
 reward is 0; if they do not, the result is an env_error carrying the reason
 (`Grade.error`). Grading leaves the tree in the state it graded.
@@ -252,6 +252,10 @@ def never_ran(task: Task, output: str, exit_code: int, timed_out: bool, timeout:
         return f"interpreter_missing: the test command could not start (exit {exit_code}): {last}"
     if task.log_parser == "exit_code":
         return ""
+    runner = re.search(r"^.*No module named '?(pytest|nose|django)'?.*$", "\n".join(
+        _clean(output)), re.MULTILINE)
+    if runner and not any(t in status for t in task.tests):
+        return f"runner_missing: the test runner is not installed: {runner.group(0).strip()}"
     if task.expected_output is not None:
         return "" if status else "tests_not_found: the log has no pytest summary"
     if any(t in status for t in task.tests) or not task.tests:

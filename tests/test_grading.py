@@ -377,6 +377,13 @@ def test_interpreter_missing_is_env_error():
     assert result.reward is None and error_kind(result.error) == "interpreter_missing"
 
 
+def test_runner_missing_is_env_error_naming_it():
+    """An image without the test runner: the tests never ran, and the reason says why."""
+    result = _grade(task_from_row(flask_row("/no/pytest/here")))
+    assert result.reward is None and error_kind(result.error) == "runner_missing"
+    assert "No module named pytest" in result.error
+
+
 # ---- Docker: the image's environment, and an image without `python` -----------------------------
 
 ACTIVATE = ("mkdir -p /tmp/env/bin && ln -sf /usr/bin/python3 /tmp/env/bin/python\n"
