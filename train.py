@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from configs import common
+from env import latency
 from env.tasks import Task
 from inference import sglang
 from models import sharding
@@ -130,7 +131,8 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
     rollout_cfg = RolloutConfig(**config.rollout)
     agent = Agent(engine, tokenizer, sandbox_factory, rollout_cfg,
                   max_concurrent_envs=config.env.max_concurrent,
-                  tools_in_prompt=config.env.tools_in_prompt)
+                  tools_in_prompt=config.env.tools_in_prompt,
+                  latency=latency.from_config(config.env.latency, config.seed))
 
     # ------------------------------------------------------------------ algorithm
     algo = algos.build(algos.Context(config, agent, train_tasks, score))

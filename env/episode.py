@@ -116,13 +116,17 @@ class Episode:
     "env_error" (the sandbox failed; `error` says how; reward is None).
     grades: a GradeCache shared by the episodes of a run (None: every episode runs its
     tests); `grade_cached` says whether the reward came from it.
+    call_delay: called with the call's index before each tool call runs (e.g.
+      env.latency.LatencyModel.sleep: a slow environment reproduced); None: no delay.
     """
 
     def __init__(self, sandbox_factory: SandboxFactory | Sandbox, task: Task | None = None, *,
                  max_steps: int = 30, test_timeout: float = 300.0,
                  prompt_template: str = "{problem_statement}",
-                 grades: GradeCache | None = None, **tool_kwargs: Any):
+                 grades: GradeCache | None = None,
+                 call_delay: Callable[[int], None] | None = None, **tool_kwargs: Any):
         self._factory = sandbox_factory
+        self.call_delay = call_delay
         self.grades = grades
         self.grade_cached = False
         self.task = task
@@ -199,6 +203,8 @@ class Episode:
             call, observation, finished = None, str(e), False
         try:
             if call is not None:
+                if self.call_delay is not None:
+                    self.call_delay(len(self.steps))
                 result = self.tools.execute(call)
                 observation, finished, changed = result.observation, result.done, result.changed
             # Read-only calls (view, search, finish, rejected calls) keep the last patch.

@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 
 from env import episode as episode_lib
 from env.grading import GradeCache
+from env.latency import LatencyModel
 from env.sandbox.base import SandboxError
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
@@ -114,12 +115,14 @@ class Agent:
     """Runs trajectories: one Engine, one tokenizer, sandboxes from a factory.
 
     `max_concurrent_envs` bounds the number of live sandboxes (episodes) at once.
+    `latency`: a model of slow tool calls (env.latency), slept before each call.
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, sandbox_factory: SandboxFactory,
                  cfg: RolloutConfig, max_concurrent_envs: int = 8, policy_version: int = 0,
-                 tools_in_prompt: bool = True):
+                 tools_in_prompt: bool = True, latency: LatencyModel | None = None):
         self.engine = engine
+        self.latency = latency if latency is not None and latency.enabled else None
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.policy_version = policy_version
@@ -213,6 +216,9 @@ class Agent:
         """A ready episode in `sandbox` and the ids to feed before the first generated turn."""
         kwargs = {"max_steps": self.cfg.max_steps, "test_timeout": self.cfg.test_timeout_s,
                   "grades": self.grades if self.cfg.grade_cache else None}
+        if self.latency is not None:
+            kwargs["call_delay"] = functools.partial(self.latency.sleep, job.task.instance_id,
+                                                     job.seed)
         if job.prefix is None:
             episode = episode_lib.Episode(sandbox, job.task, **kwargs)
             first = episode.reset()
