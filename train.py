@@ -139,8 +139,11 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
 
     # ------------------------------------------------------------------ resume or warm start
     ckpt = Checkpointer(workdir, keep=config.ckpt_keep)
-    sync_weights = functools.partial(distributed.sync_weights, engine,
-                                     shared_servers=config.engine.kind == "sglang")
+    async def sync_weights(params) -> None:
+        """Loads `params` into the engine: one policy version more (the engine counts its
+        updates alike; turns and trajectories carry the versions that sampled them)."""
+        await distributed.sync_weights(engine, params, config.engine.kind == "sglang")
+        agent.policy_version += 1
 
     def save(step: int, state) -> None:
         """Checkpoint `step` (every process calls it); the host state, replicated on
@@ -201,14 +204,15 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             log.info("offline start: %s", json.dumps(start_metrics))
         for step in range(first_step + 1, config.total_steps + 1):
             t_step = time.perf_counter()
-            agent.policy_version = step - 1
             # -- collect
             t0 = time.perf_counter()
             with setup.progress(algo.rollouts_per_step, f"step {step} rollouts") as bar:
                 groups = await algo.collect(step, bar.update)
             trajs = [t for g in groups for t in g]
+            # Versions each trajectory lags the policy the learner now updates.
+            lags = np.array([agent.policy_version - t.versions[0] for t in trajs], np.float64)
             metrics = {"time/rollout_s": time.perf_counter() - t0,
-                       **setup.rollout_metrics(trajs, groups),
+                       **setup.rollout_metrics(trajs, groups), **setup.lag_metrics(lags),
                        **getattr(sandbox_factory, "metrics", dict)()}  # a fleet's engines
             # -- advantages, learner, the algorithm's bookkeeping under the new policy
             kept, advs, algo_metrics = algo.advantages(step, groups)
@@ -234,7 +238,11 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             if step % config.eval_every == 0 or step == config.total_steps:
                 metrics.update(await evaluate(config, agent, eval_tasks, None, step, workdir))
             writer.write_scalars(step, metrics)
-            writer.write_histograms(step, setup.histograms(groups))
+            writer.write_histograms(step, {**setup.histograms(groups),
+                                           **({"async/lag": lags} if lags.size else {})})
+            # Which rollouts this step consumed (task:seed), for auditing a resumed run.
+            writer.write_texts(step, {"rollout/consumed": " ".join(
+                f"{t.task_id}:{t.seed}" for t in trajs)})
             if step % config.log_texts_every == 0 and trajs:
                 writer.write_texts(step, {"rollout/sample": tokenizer.decode(
                     trajs[0].token_arrays()[0])})

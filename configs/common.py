@@ -146,6 +146,20 @@ def sandbox_defaults() -> dict[str, Any]:
     return dict(docker_hosts=(), docker_slots=0, local_allow_unisolated=False)
 
 
+def staleness_defaults() -> dict[str, Any]:
+    """The `rollout` keys of rollouts that run ahead of the learner (rl.rollout.StreamCollector).
+
+    max_staleness: policy versions a trajectory may lag the learner's; 0 is the
+      synchronous loop (a step collects its batch, then learns). k > 0: k + 1 batches of
+      rollouts are in flight, and a step trains on the first groups to finish while the
+      rest run on under the new weights (partial rollouts). For algo='spo', 0 keeps the
+      stream unbounded (spo.in_flight rollouts in flight, whatever their age).
+    stale: a group older than the bound is "drop"ped (and its job run again) or
+      "finish"ed (trained on all the same); both counted (async/*_stale).
+    """
+    return dict(max_staleness=0, stale="drop")
+
+
 def latency_defaults() -> dict[str, Any]:
     """The `env.latency` section: a sleep before each tool call (env.latency), to reproduce
     a slow environment's long tail on a laptop; median_s 0 (the default) is off.
@@ -308,7 +322,7 @@ RANGES: dict[str, str] = {
     "rollout.max_steps": "[1, inf)", "rollout.max_turn_tokens": "[1, inf)",
     "rollout.max_response_tokens": "[1, inf)", "rollout.max_context": "[1, inf)",
     "rollout.wall_timeout_s": "(0, inf)", "rollout.test_timeout_s": "(0, inf)",
-    "rollout.env_retries": "[0, inf)",
+    "rollout.env_retries": "[0, inf)", "rollout.max_staleness": "[0, inf)",
     "ps.low": "[0, 1]", "ps.high": "[0, 1]", "ps.remaining_ratio": "(0, 1]",
     "ps.prefix_ratio": "(0, 1]", "ps.remaining_cap": "[0, inf)", "ps.prefix_cap": "[0, inf)",
     "ps.max_share": "[0, 1]", "ps.max_age": "[0, inf)", "ps.ema_alpha": "(0, 1]",

@@ -131,6 +131,10 @@ def check_supported(config) -> None:
         raise ValueError("algo='spo' runs in one process: its stream collector draws prompts "
                          "as rollouts finish, an order no two hosts share; use algo='grpo' "
                          "for multi-host runs")
+    if config.rollout.max_staleness:
+        raise ValueError("rollout.max_staleness > 0 runs in one process: which groups finish "
+                         "first differs from host to host; use rollout.max_staleness=0 for "
+                         "multi-host runs")
     if config.engine.kind == "sglang" and not config.engine.sglang.urls:
         raise ValueError("a multi-host run takes its SGLang servers from engine.sglang.urls "
                          "(every host's client shares them; process 0 updates them once per "

@@ -321,6 +321,13 @@ def rollout_metrics(trajs: Sequence[Trajectory], groups: Sequence[Sequence[Traje
     return m
 
 
+def lag_metrics(lags: np.ndarray) -> dict[str, float]:
+    """Mean and max of the policy versions a step's trajectories lag the learner's."""
+    if not lags.size:
+        return {}
+    return {"async/lag_mean": float(lags.mean()), "async/lag_max": float(lags.max())}
+
+
 def histograms(groups: Sequence[Sequence[Trajectory]]) -> dict[str, np.ndarray]:
     rates = [np.mean([t.reward for t in g if t.reward is not None]) for g in groups
              if any(t.reward is not None for t in g)]
