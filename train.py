@@ -203,7 +203,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             writer.write_scalars(first_step, start_metrics)
             log.info("offline start: %s", json.dumps(start_metrics))
         for step in range(first_step + 1, config.total_steps + 1):
-            t_step = time.perf_counter()
+            t_step, idle0 = time.perf_counter(), agent.activity.idle_s()
             # -- collect
             t0 = time.perf_counter()
             with setup.progress(algo.rollouts_per_step, f"step {step} rollouts") as bar:
@@ -229,6 +229,8 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             metrics["time/sync_s"] = time.perf_counter() - t0
             metrics.update(engine.update_stats())  # export and reload times, sizes, counts
             metrics["time/step_s"] = time.perf_counter() - t_step
+            # The learner waits out the collection; the engine waits on tools and learner.
+            metrics["time/inference_idle_s"] = agent.activity.idle_s() - idle0
             # Per second of the phase that generated the tokens: the rollout phase, or
             # the whole step when generation overlaps the learner (a stream).
             gen_s = metrics["time/step_s"] if algo.stream else metrics["time/rollout_s"]

@@ -116,8 +116,8 @@ class Episode:
     "env_error" (the sandbox failed; `error` says how; reward is None).
     grades: a GradeCache shared by the episodes of a run (None: every episode runs its
     tests); `grade_cached` says whether the reward came from it.
-    call_delay: called with the call's index before each tool call runs (e.g.
-      env.latency.LatencyModel.sleep: a slow environment reproduced); None: no delay.
+    call_delay: called with the step's index before the environment answers each action
+      (e.g. env.latency.LatencyModel.sleep: a slow environment reproduced); None: none.
     """
 
     def __init__(self, sandbox_factory: SandboxFactory | Sandbox, task: Task | None = None, *,
@@ -202,9 +202,9 @@ class Episode:
         except ToolCallError as e:
             call, observation, finished = None, str(e), False
         try:
+            if self.call_delay is not None:
+                self.call_delay(len(self.steps))
             if call is not None:
-                if self.call_delay is not None:
-                    self.call_delay(len(self.steps))
                 result = self.tools.execute(call)
                 observation, finished, changed = result.observation, result.done, result.changed
             # Read-only calls (view, search, finish, rejected calls) keep the last patch.

@@ -3,7 +3,8 @@
 Real SWE sandboxes answer a tool call in seconds to minutes (builds, test suites,
 slow repositories), and some tasks are slow on every call. On a laptop a call takes
 milliseconds, so the effects of a long tail (a step waiting for its slowest rollout)
-never show. This model sleeps before each tool call, off by default:
+never show. This model sleeps before the environment answers each action (a tool call,
+or a reply without one), off by default:
 
     delay = median_s * exp(sigma * z) * (slow_factor if the task is slow else 1)
 

@@ -37,6 +37,12 @@ The design, and why:
   version, from process 0, and the others wait at a barrier.
 - algo='spo' is refused over several processes: its stream collector draws the next
   prompts as rollouts finish, an order that differs from host to host.
+- Rollouts ahead of the learner (rollout.max_staleness > 0): every host draws the same
+  chunks of jobs at the same steps and runs its share of each; a step takes each
+  host's first finished share of the batch and gathers them (`gather_lists`). Which
+  groups those are depends on each host's timing, but every host trains on the same
+  gathered batch, so host state stays replicated; the jobs still in flight are
+  gathered into the checkpoint, each host re-running its own on resume.
 """
 
 from __future__ import annotations
@@ -131,10 +137,6 @@ def check_supported(config) -> None:
         raise ValueError("algo='spo' runs in one process: its stream collector draws prompts "
                          "as rollouts finish, an order no two hosts share; use algo='grpo' "
                          "for multi-host runs")
-    if config.rollout.max_staleness:
-        raise ValueError("rollout.max_staleness > 0 runs in one process: which groups finish "
-                         "first differs from host to host; use rollout.max_staleness=0 for "
-                         "multi-host runs")
     if config.engine.kind == "sglang" and not config.engine.sglang.urls:
         raise ValueError("a multi-host run takes its SGLang servers from engine.sglang.urls "
                          "(every host's client shares them; process 0 updates them once per "
@@ -156,6 +158,14 @@ def share(n: int, index: int | None = None, count: int | None = None) -> range:
     index = jax.process_index() if index is None else index
     count = jax.process_count() if count is None else count
     return range(index, n, count)
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def process_index() -> int:
+    return jax.process_index()
 
 
 def allgather_objects(obj: Any) -> list[Any]:
@@ -189,6 +199,15 @@ async def gather_map(fn: Callable[[list[T]], Awaitable[Sequence[R]]],
         for i, result in zip(share(len(items), p, len(parts)), part, strict=True):
             out[i] = result
     return out
+
+
+async def gather_lists(items: Sequence[T]) -> list[T]:
+    """Every process's `items`, concatenated in process order (a collective, run in a
+    thread so the event loop goes on)."""
+    if jax.process_count() == 1:
+        return list(items)
+    parts = await asyncio.to_thread(allgather_objects, list(items))
+    return [x for part in parts for x in part]
 
 
 def digest(state: Any) -> str:

@@ -138,6 +138,29 @@ def decode_jobs(state: Mapping[str, Any], task_by_id: Mapping[str, Any]) -> list
 SandboxFactory = Callable[[Task], object]
 
 
+class Activity:
+    """Wall time during which no request of this process waited on the engine: the
+    inference engine idle, as the rollouts see it (waiting on tools, on the learner, or
+    on nothing to do)."""
+
+    def __init__(self):
+        self.active, self._idle_s, self._since = 0, 0.0, time.perf_counter()
+
+    def start(self) -> None:
+        if self.active == 0:
+            self._idle_s += time.perf_counter() - self._since
+        self.active += 1
+
+    def end(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._since = time.perf_counter()
+
+    def idle_s(self) -> float:
+        """Seconds idle so far."""
+        return self._idle_s + (time.perf_counter() - self._since if self.active == 0 else 0.0)
+
+
 class Agent:
     """Runs trajectories: one Engine, one tokenizer, sandboxes from a factory.
 
@@ -164,6 +187,7 @@ class Agent:
         self.stop_ids = sorted({tokenizer.special_ids[TOOL_CALL_END], tokenizer.eos_id,
                                 tokenizer.pad_id})
         self.grades = GradeCache()  # shared with the agents of with_sampling
+        self.activity = Activity()  # likewise
 
     def close(self) -> None:
         """Closes every live sandbox (also done at exit and on SIGTERM)."""
@@ -204,7 +228,11 @@ class Agent:
             context, budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
             stop_token_ids=self.stop_ids, seed=_seed(job.seed, attempt, len(context)),
             return_logprob=cfg.logprobs)
-        [result] = await self.engine.generate([request])
+        self.activity.start()
+        try:
+            [result] = await self.engine.generate([request])
+        finally:
+            self.activity.end()
         if result.finish_reason == "abort":
             raise EngineError(f"engine aborted a request of task {job.task.instance_id}")
         version = self.policy_version if result.policy_version is None \

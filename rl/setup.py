@@ -322,10 +322,13 @@ def rollout_metrics(trajs: Sequence[Trajectory], groups: Sequence[Sequence[Traje
 
 
 def lag_metrics(lags: np.ndarray) -> dict[str, float]:
-    """Mean and max of the policy versions a step's trajectories lag the learner's."""
+    """Mean and max of the policy versions a step's trajectories lag the learner's, and
+    the count of each lag (async/lag_k)."""
     if not lags.size:
         return {}
-    return {"async/lag_mean": float(lags.mean()), "async/lag_max": float(lags.max())}
+    values, counts = np.unique(lags.astype(np.int64), return_counts=True)
+    return {"async/lag_mean": float(lags.mean()), "async/lag_max": float(lags.max()),
+            **{f"async/lag_{v}": float(c) for v, c in zip(values, counts, strict=True)}}
 
 
 def histograms(groups: Sequence[Sequence[Trajectory]]) -> dict[str, np.ndarray]:

@@ -130,24 +130,19 @@ def test_async_run_resumes_after_kill_without_losing_or_repeating_a_job(tmp_path
 
     rl_steps = [m["step"] for m in _metrics(workdir) if "time/rollout_s" in m]
     assert rl_steps == [1, 2, 3, 4, 5]  # metrics rows once
-    consumed = _tb(workdir, "rollout/consumed")
-    assert [s for s, _ in consumed] == [1, 2, 3, 4, 5]
-    rollouts = [item for _, text in consumed for item in text.split()]
-    assert len(rollouts) == len(set(rollouts)) == 5 * 2 * 2  # steps x groups x group size
-    by_job: dict[int, list[int]] = {}
-    for item in rollouts:
-        seed = int(item.rsplit(":", 1)[1])
-        by_job.setdefault(seed // 1009, []).append(seed % 1009)
-    assert all(sorted(members) == [0, 1] for members in by_job.values())  # whole groups
+    assert [s for s, _ in _tb(workdir, "rollout/consumed")] == [1, 2, 3, 4, 5]
+    by_job = _consumed_jobs(workdir)  # steps x groups, each whole
+    assert len(by_job) == 5 * 2 and all(sorted(m) == [0, 1] for m in by_job.values())
 
     ahead = _host(workdir, 5)["ahead"]
-    pending = [int(s) for s in ahead["jobs"]["seeds"]]
+    pending = [int(s) for host in ahead["jobs"] for s in host["seeds"]]
     drawn = {job_seed(c, i) for c in range(1, int(ahead["chunks"]) + 1) for i in range(2)}
     assert not set(by_job) & set(pending)  # none trained and still pending
     assert set(by_job) | set(pending) == drawn and len(pending) == len(set(pending))
     # The jobs in flight at the checkpoint resumed from were run again and trained on.
     resumed_at = int(resumed.stderr.split("resumed from", 1)[1].split("at step ", 1)[1].split()[0])
-    in_flight = {int(s) for s in _host(workdir, resumed_at)["ahead"]["jobs"]["seeds"]}
+    in_flight = {int(s) for host in _host(workdir, resumed_at)["ahead"]["jobs"]
+                 for s in host["seeds"]}
     assert in_flight and in_flight <= set(by_job) | set(pending)
     assert in_flight & set(by_job)
 
@@ -157,3 +152,53 @@ def test_async_run_resumes_after_kill_without_losing_or_repeating_a_job(tmp_path
     assert all(0 <= m["async/lag_max"] <= 1 for m in rl)
     assert any(m["async/lag_max"] == 1 for m in rl)  # the rollouts did run ahead
     assert [s for s, _ in _tb(workdir, "async/lag")] == [1, 2, 3, 4, 5]
+
+
+def _consumed_jobs(workdir):
+    """{job seed: [member index, ...]} of every rollout the steps consumed (TensorBoard
+    text `rollout/consumed`, task:seed with seed = job seed * 1009 + member), checked to
+    name no rollout twice."""
+    rollouts = [item for _, text in _tb(workdir, "rollout/consumed") for item in text.split()]
+    assert len(rollouts) == len(set(rollouts))
+    by_job: dict[int, list[int]] = {}
+    for item in rollouts:
+        seed = int(item.rsplit(":", 1)[1])
+        by_job.setdefault(seed // 1009, []).append(seed % 1009)
+    return by_job
+
+
+def test_two_processes_run_ahead_and_resume_after_kill(tmp_path):
+    """2 processes x 4 devices, max_staleness=1: each runs its share of every chunk of
+    jobs, the groups are gathered; killed after the checkpoint of RL step 1 and resumed,
+    every job drawn is trained once (both members) or still pending, none twice."""
+    from test_multihost import _finish, _logs, _spawn
+
+    workdir = str(tmp_path / "two")
+    args = [sys.executable, "train.py", "--config", "configs/default.py:smoke,steps=4",
+            "--set", "mesh.fsdp=-1", "--set", "reject_degenerate=False",
+            "--set", "learner.loss.name=sft", "--set", "rollout.max_staleness=1",
+            "--set", "env.latency.median_s=0.05", "--set", "env.latency.slow_share=0.25",
+            "--set", "ckpt_keep=10", "--workdir", workdir]
+    first = _spawn(args, 2, 4, workdir + "_first")
+    deadline = time.monotonic() + 900
+    step1 = os.path.join(workdir, "ckpt", "1")
+    while (not os.path.isdir(step1) and time.monotonic() < deadline
+           and all(p.poll() is None for p in first)):
+        time.sleep(0.1)
+    for proc in first:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert os.path.isdir(step1), _logs(workdir + "_first", 2)[0][1][-3000:]
+    resumed = _finish(_spawn(args, 2, 4, workdir), workdir, timeout=900)
+    assert all("resumed from" in err for _, err in resumed)
+
+    assert [m["step"] for m in _metrics(workdir) if "time/rollout_s" in m] == [1, 2, 3, 4]
+    by_job = _consumed_jobs(workdir)
+    assert len(by_job) == 4 * 2 and all(sorted(m) == [0, 1] for m in by_job.values())
+    ahead = _host(workdir, 4)["ahead"]
+    assert len(ahead["jobs"]) == 2  # each process's jobs in flight
+    pending = [int(s) for host in ahead["jobs"] for s in host["seeds"]]
+    drawn = {job_seed(c, i) for c in range(1, int(ahead["chunks"]) + 1) for i in range(2)}
+    assert not set(by_job) & set(pending) and len(pending) == len(set(pending))
+    assert set(by_job) | set(pending) == drawn

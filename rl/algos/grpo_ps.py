@@ -11,7 +11,9 @@ chunks of batch_tasks as above; a step trains on the first batch_tasks groups wh
 last member has finished, while the others run on under the new weights; a group that
 started more than k versions before the learner's is dropped and run again, or trained
 on (`rollout.stale`). Prefix tasks built from a step's groups join the next chunk
-drawn. Jobs started and not yet trained on are checkpointed and re-run on resume.
+drawn. Jobs started and not yet trained on are checkpointed and re-run on resume. Over
+several processes each runs its share of every chunk and of every batch, and the
+groups are gathered (rl.distributed).
 """
 
 from __future__ import annotations
@@ -61,9 +63,8 @@ class GRPOPrefix(Algorithm):
         self.max_staleness, self.stale = c.rollout.max_staleness, c.rollout.stale
         self.stream = bool(self.max_staleness)  # generation goes on while the learner trains
         self._collector: StreamCollector | None = None
-        self._step = 0  # the learner's step, for the prefix queue's ages
         self._chunks = 0  # chunks of jobs drawn ahead (their seeds)
-        self._chunk: list[RolloutJob] = []
+        self._local: list[RolloutJob] = []  # this process's share of them, not yet started
         self._pending: list[RolloutJob] = []  # a resumed run's unfinished jobs
 
     def _jobs(self, step: int, seed_step: int) -> list[RolloutJob]:
@@ -75,26 +76,30 @@ class GRPOPrefix(Algorithm):
         return jobs + [RolloutJob(task, seed=job_seed(seed_step, len(jobs) + i))
                        for i, task in enumerate(self.sampler.next(self.batch_tasks - len(jobs)))]
 
-    def _next_job(self) -> RolloutJob:
-        if not self._chunk:
-            self._chunks += 1
-            self._chunk = self._jobs(self._step, self._chunks)
-        return self._chunk.pop(0)
+    def _next_job(self) -> RolloutJob | None:
+        return self._local.pop(0) if self._local else None
 
     async def collect(self, step: int, progress: Progress = None) -> list[list[Trajectory]]:
         if not self.max_staleness:
             # Over several processes each runs its share of the jobs; all get every group.
             return await distributed.collect_groups(self.agent, self._jobs(step, step),
                                                     self.group_size, progress)
-        self._step = step
+        # Chunks are drawn at the same points on every process (host state stays
+        # replicated): step + max_staleness chunks by step `step`. Each process runs its
+        # share of each chunk and trains its share of the batch; all get every group.
+        while self._chunks < step + self.max_staleness:
+            self._chunks += 1
+            jobs = self._jobs(step, self._chunks)
+            self._local += [jobs[i] for i in distributed.share(len(jobs))]
+        mine = len(distributed.share(self.batch_tasks))
         if self._collector is None:
             self._collector = StreamCollector(
-                self.agent, self._next_job, (self.max_staleness + 1) * self.batch_tasks,
+                self.agent, self._next_job, (self.max_staleness + 1) * mine,
                 group_size=self.group_size, max_staleness=self.max_staleness, stale=self.stale)
             self._collector.requeue(self._pending)
             self._pending = []
-        return await self._collector.collect(self.batch_tasks, progress,
-                                             version=self.agent.policy_version)
+        groups = await self._collector.collect(mine, progress, version=self.agent.policy_version)
+        return await distributed.gather_lists(groups)
 
     def advantages(self, step: int, groups: Sequence[Sequence[Trajectory]]
                    ) -> tuple[list[Trajectory], np.ndarray, dict[str, float]]:
@@ -115,10 +120,10 @@ class GRPOPrefix(Algorithm):
         state = {"sampler": self.sampler.state_dict(), "queue": self.queue.state_dict(),
                  "controller": self.controller.state_dict(),
                  "np_rng": self.rng.bit_generator.state}
-        if self.max_staleness:
+        if self.max_staleness:  # every process's jobs not yet trained on (a collective)
             pending = self._collector.pending() if self._collector else self._pending
-            state["ahead"] = {"chunks": self._chunks,
-                              "jobs": encode_jobs([*pending, *self._chunk])}
+            state["ahead"] = {"chunks": self._chunks, "jobs": distributed.allgather_objects(
+                encode_jobs([*pending, *self._local]))}
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -127,9 +132,14 @@ class GRPOPrefix(Algorithm):
         self.controller.load_state_dict(state["controller"])
         self.rng.bit_generator.state = state["np_rng"]
         if self.max_staleness and "ahead" in state:
+            jobs = state["ahead"]["jobs"]
+            if len(jobs) != distributed.process_count():
+                raise ValueError(f"the checkpoint holds the jobs in flight of {len(jobs)} "
+                                 f"processes; resume it with as many (this run has "
+                                 f"{distributed.process_count()})")
             self._chunks = int(state["ahead"]["chunks"])
-            self._pending = decode_jobs(state["ahead"]["jobs"], self.task_by_id)
-            self._chunk = []
+            self._pending = decode_jobs(jobs[distributed.process_index()], self.task_by_id)
+            self._local = []
 
     async def close(self) -> None:
         if self._collector is not None:
