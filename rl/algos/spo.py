@@ -95,7 +95,7 @@ class SPO(Algorithm):
         total = len(self.pool_ids) * self.cfg.init_samples
         collector = StreamCollector(self.agent, lambda: next(jobs, None), self.cfg.in_flight)
         try:
-            trajs = await collector.collect(total, progress)
+            trajs = [t for g in await collector.collect(total, progress) for t in g]
         finally:
             await collector.close()
         counts: dict[str, list[int]] = {}
