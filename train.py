@@ -139,6 +139,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
 
     # ------------------------------------------------------------------ resume or warm start
     ckpt = Checkpointer(workdir, keep=config.ckpt_keep)
+
     async def sync_weights(params) -> None:
         """Loads `params` into the engine: one policy version more (the engine counts its
         updates alike; turns and trajectories carry the versions that sampled them)."""
