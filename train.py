@@ -29,6 +29,7 @@ import numpy as np
 from flax import nnx
 
 from configs import common
+from env import latency
 from env.tasks import Task
 from inference import sglang
 from models import sharding
@@ -134,15 +135,20 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
     rollout_cfg = RolloutConfig(**config.rollout)
     agent = Agent(engine, tokenizer, sandbox_factory, rollout_cfg,
                   max_concurrent_envs=config.env.max_concurrent,
-                  tools_in_prompt=config.env.tools_in_prompt)
+                  tools_in_prompt=config.env.tools_in_prompt,
+                  latency=latency.from_config(config.env.latency, config.seed))
 
     # ------------------------------------------------------------------ algorithm
     algo = algos.build(algos.Context(config, agent, train_tasks, score))
 
     # ------------------------------------------------------------------ resume or warm start
     ckpt = Checkpointer(workdir, keep=config.ckpt_keep)
-    sync_weights = functools.partial(distributed.sync_weights, engine,
-                                     shared_servers=config.engine.kind == "sglang")
+
+    async def sync_weights(params) -> None:
+        """Loads `params` into the engine: one policy version more (the engine counts its
+        updates alike; turns and trajectories carry the versions that sampled them)."""
+        await distributed.sync_weights(engine, params, config.engine.kind == "sglang")
+        agent.policy_version += 1
 
     def save(step: int, state) -> None:
         """Checkpoint `step` (every process calls it); the host state, replicated on
@@ -206,15 +212,16 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             writer.write_scalars(first_step, start_metrics)
             log.info("offline start: %s", json.dumps(start_metrics))
         for step in range(first_step + 1, config.total_steps + 1):
-            t_step = time.perf_counter()
-            agent.policy_version = step - 1
+            t_step, idle0 = time.perf_counter(), agent.activity.idle_s()
             # -- collect
             t0 = time.perf_counter()
             with setup.progress(algo.rollouts_per_step, f"step {step} rollouts") as bar:
                 groups = await algo.collect(step, bar.update)
             trajs = [t for g in groups for t in g]
+            # Versions each trajectory lags the policy the learner now updates.
+            lags = np.array([agent.policy_version - t.versions[0] for t in trajs], np.float64)
             metrics = {"time/rollout_s": time.perf_counter() - t0,
-                       **setup.rollout_metrics(trajs, groups),
+                       **setup.rollout_metrics(trajs, groups), **setup.lag_metrics(lags),
                        **getattr(sandbox_factory, "metrics", dict)()}  # a fleet's engines
             # -- advantages, learner, the algorithm's bookkeeping under the new policy
             kept, advs, algo_metrics = algo.advantages(step, groups)
@@ -231,6 +238,8 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             metrics["time/sync_s"] = time.perf_counter() - t0
             metrics.update(engine.update_stats())  # export and reload times, sizes, counts
             metrics["time/step_s"] = time.perf_counter() - t_step
+            # The learner waits out the collection; the engine waits on tools and learner.
+            metrics["time/inference_idle_s"] = agent.activity.idle_s() - idle0
             # Per second of the phase that generated the tokens: the rollout phase, or
             # the whole step when generation overlaps the learner (a stream).
             gen_s = metrics["time/step_s"] if algo.stream else metrics["time/rollout_s"]
@@ -240,7 +249,11 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             if step % config.eval_every == 0 or step == config.total_steps:
                 metrics.update(await evaluate(config, agent, eval_tasks, None, step, workdir))
             writer.write_scalars(step, metrics)
-            writer.write_histograms(step, setup.histograms(groups))
+            writer.write_histograms(step, {**setup.histograms(groups),
+                                           **({"async/lag": lags} if lags.size else {})})
+            # Which rollouts this step consumed (task:seed), for auditing a resumed run.
+            writer.write_texts(step, {"rollout/consumed": " ".join(
+                f"{t.task_id}:{t.seed}" for t in trajs)})
             if step % config.log_texts_every == 0 and trajs:
                 writer.write_texts(step, {"rollout/sample": tokenizer.decode(
                     trajs[0].token_arrays()[0])})

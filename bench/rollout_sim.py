@@ -429,7 +429,7 @@ async def run_mode(mode: str, cfg: SimConfig, tokenizer: Tokenizer) -> ModeResul
                     for g in range(step * tasks_per_batch, (step + 1) * tasks_per_batch)]
             batch = [t for group in await collect_groups(agent, jobs, n) for t in group]
         else:
-            batch = await collector.collect(cfg.batch)
+            batch = [t for g in await collector.collect(cfg.batch) for t in g]
         batches.append(batch)
         # The learner runs on a thread, as in train.py: running rollouts keep going.
         await asyncio.to_thread(time.sleep, cfg.learner_s * cfg.time_scale)

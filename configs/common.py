@@ -158,6 +158,31 @@ def sandbox_defaults() -> dict[str, Any]:
     return dict(docker_hosts=(), docker_slots=0, local_allow_unisolated=False)
 
 
+def staleness_defaults() -> dict[str, Any]:
+    """The `rollout` keys of rollouts that run ahead of the learner (rl.rollout.StreamCollector).
+
+    max_staleness: policy versions a trajectory may lag the learner's; 0 is the
+      synchronous loop (a step collects its batch, then learns). k > 0: k + 1 batches of
+      rollouts are in flight, and a step trains on the first groups to finish while the
+      rest run on under the new weights (partial rollouts). For algo='spo', 0 keeps the
+      stream unbounded (spo.in_flight rollouts in flight, whatever their age).
+    stale: a group older than the bound is "drop"ped (and its job run again) or
+      "finish"ed (trained on all the same); both counted (async/*_stale).
+    """
+    return dict(max_staleness=0, stale="drop")
+
+
+def latency_defaults() -> dict[str, Any]:
+    """The `env.latency` section: a sleep before each tool call (env.latency), to reproduce
+    a slow environment's long tail on a laptop; median_s 0 (the default) is off.
+
+    median_s, sigma: the log-normal delay of a call (median, spread of its log).
+    slow_share, slow_factor: a share of tasks whose every call is slow_factor times
+      slower (drawn per task from the run's seed).
+    """
+    return dict(median_s=0.0, sigma=1.0, slow_share=0.0, slow_factor=6.0)
+
+
 def sglang_defaults() -> dict[str, Any]:
     """The `engine.sglang` section: client of running servers, or servers to launch.
 
@@ -254,7 +279,13 @@ def learner_defaults() -> ConfigDict:
         kl="none",            # "none", "k1", "k2", "k3", "k3plus" or "exact"
         kl_coef=0.0,
         old_logprobs="sampler",  # PPO ratio vs "sampler" log-probs or the "learner"'s own
-        tis_cap=0.0,          # truncated importance weight cap (needs old_logprobs="learner")
+        # Off-policy correction, sampler -> learner-old (rl.loss.offpolicy_weights; needs
+        # old_logprobs="learner"): rollouts of older policies (rollout.max_staleness)
+        # and the sampler's numerics.
+        tis_cap=0.0,          # truncated importance weight cap; 0 = off
+        tis_level="token",    # "token": per-token ratio; "sequence": the trajectory's product
+        seq_mask_low=0.0,     # a trajectory whose geometric-mean ratio lies outside
+        seq_mask_high=0.0,    # [low, high] is left out of the loss; high 0 = off
     ))
     return c
 
@@ -299,13 +330,15 @@ RANGES: dict[str, str] = {
     "engine.sglang.export_keep": "[1, inf)",
     "env.train_tasks": "[0, inf)", "env.eval_tasks": "[0, inf)", "env.difficulties": "[0, 2]",
     "env.task_seed": "[0, inf)", "env.eval_seed": "[0, inf)", "env.max_concurrent": "[1, inf)",
-    "env.docker_slots": "[0, inf)",
+    "env.docker_slots": "[0, inf)", "env.latency.median_s": "[0, inf)",
+    "env.latency.sigma": "[0, inf)", "env.latency.slow_share": "[0, 1]",
+    "env.latency.slow_factor": "(0, inf)",
     # The RL sampler's temperature divides the learner's logits: 0 (greedy) is refused.
     "rollout.temperature": "(0, inf)", "rollout.top_p": "(0, 1]", "rollout.top_k": "[1, inf) | -1",
     "rollout.max_steps": "[1, inf)", "rollout.max_turn_tokens": "[1, inf)",
     "rollout.max_response_tokens": "[1, inf)", "rollout.max_context": "[1, inf)",
     "rollout.wall_timeout_s": "(0, inf)", "rollout.test_timeout_s": "(0, inf)",
-    "rollout.env_retries": "[0, inf)",
+    "rollout.env_retries": "[0, inf)", "rollout.max_staleness": "[0, inf)",
     "ps.low": "[0, 1]", "ps.high": "[0, 1]", "ps.remaining_ratio": "(0, 1]",
     "ps.prefix_ratio": "(0, 1]", "ps.remaining_cap": "[0, inf)", "ps.prefix_cap": "[0, inf)",
     "ps.max_share": "[0, 1]", "ps.max_age": "[0, inf)", "ps.ema_alpha": "(0, 1]",
@@ -324,7 +357,8 @@ RANGES: dict[str, str] = {
     "learner.optim.weight_decay": "[0, inf)", "learner.optim.max_grad_norm": "[0, inf)",
     "learner.loss.eps_low": "[0, 1]", "learner.loss.eps_high": "[0, inf)",
     "learner.loss.dual_clip": "0 | (1, inf)", "learner.loss.kl_coef": "[0, inf)",
-    "learner.loss.tis_cap": "[0, inf)",
+    "learner.loss.tis_cap": "[0, inf)", "learner.loss.seq_mask_low": "[0, 1]",
+    "learner.loss.seq_mask_high": "0 | [1, inf)",
     "sft.steps": "[0, inf)", "sft.batch_size": "[0, inf)", "sft.lr": "[0, inf)",
     "sft.warmup_steps": "[0, inf)", "sft.end_lr_frac": "[0, 1]", "sft.num_demos": "[0, inf)",
     "sft.imperfect_share": "[0, 1]",

@@ -59,12 +59,14 @@ def get_config(arg=None):
 
     c.env = dict(backend="local", tasks="miniswe", train_tasks=512, eval_tasks=48,
                  difficulties=(0, 1), task_seed=1234, eval_seed=4321, image="",
-                 max_concurrent=48, tools_in_prompt=False, **common.sandbox_defaults())
+                 max_concurrent=48, tools_in_prompt=False, latency=common.latency_defaults(),
+                 **common.sandbox_defaults())
 
     c.rollout = dict(max_steps=6, max_turn_tokens=80, max_response_tokens=400,
                      max_context=1024, wall_timeout_s=300.0, temperature=0.5, top_p=1.0,
                      top_k=-1, test_timeout_s=30.0, env_retries=1, grade_cache=True,
-                     grading=common.GRADING)
+                     grading=common.GRADING,
+                     **common.staleness_defaults())
 
     c.algo = "grpo"  # "grpo" (group collection) or "spo" (single stream)
     c.advantage = "grpo"  # rl.advantages name, for algo=grpo

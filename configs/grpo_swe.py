@@ -55,14 +55,15 @@ def get_config(arg=None, options=OPTIONS):
                  # SWE-bench rows without an image: "" = the published SWE-bench images
                  # (env.swebench.SWEBENCH_IMAGE_TEMPLATE); fields {instance_id},
                  # {instance_id_lower}, {instance_id_1776}.
-                 image_template="",
+                 image_template="", latency=common.latency_defaults(),
                  **common.sandbox_defaults())
 
     # Qwen3 checkpoints allow 40,960 positions (max_position_embeddings).
     c.rollout = dict(max_steps=50, max_turn_tokens=4096, max_response_tokens=32768,
                      max_context=40960, wall_timeout_s=3600.0, temperature=1.0, top_p=1.0,
                      top_k=-1, test_timeout_s=600.0, env_retries=2, grade_cache=True,
-                     grading=common.GRADING)
+                     grading=common.GRADING,
+                     **common.staleness_defaults())
 
     c.algo = "grpo"
     c.advantage = "rloo"
@@ -87,7 +88,7 @@ def get_config(arg=None, options=OPTIONS):
     c.learner.row_buckets = (16384, 32768, 40960)
     # The bf16 SGLang sampler's log-probs differ from the learner's: the PPO ratio uses
     # the learner's own old log-probs, with truncated importance weights against the
-    # sampler's (rl.loss.tis_weight).
+    # sampler's (rl.loss.offpolicy_weights).
     c.learner.loss.old_logprobs, c.learner.loss.tis_cap = "learner", 2.0
 
     c.sft = dict(steps=0, batch_size=0, lr=0.0, warmup_steps=0, end_lr_frac=0.0, num_demos=0,

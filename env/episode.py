@@ -125,12 +125,15 @@ class Episode:
     files) then reaches the grade: faster, and open to reward hacking.
     grades: a GradeCache shared by the episodes of a run (None: every episode runs its
     tests), for fresh grading only; `grade_cached` says whether the reward came from it.
+    call_delay: called with the step's index before the environment answers each action
+      (e.g. env.latency.LatencyModel.sleep: a slow environment reproduced); None: none.
     """
 
     def __init__(self, sandbox_factory: SandboxFactory | Sandbox, task: Task | None = None, *,
                  max_steps: int = 30, test_timeout: float = 300.0,
                  prompt_template: str = "{problem_statement}",
                  grades: GradeCache | None = None, grading: str = "fresh",
+                 call_delay: Callable[[int], None] | None = None,
                  grader: SandboxOpener | None = None, **tool_kwargs: Any):
         if grading not in GRADINGS:
             raise ValueError(f"grading must be one of {GRADINGS}, got {grading!r}")
@@ -140,6 +143,7 @@ class Episode:
             raise ValueError("fresh grading opens a new sandbox: give a sandbox factory, or "
                              "grader= with one sandbox (or grading='in_place')")
         self._factory = sandbox_factory
+        self.call_delay = call_delay
         self.grading = grading
         self._grader = grader
         self.grades = grades if grading == "fresh" else None
@@ -217,6 +221,8 @@ class Episode:
         except ToolCallError as e:
             call, observation, finished = None, str(e), False
         try:
+            if self.call_delay is not None:
+                self.call_delay(len(self.steps))
             if call is not None:
                 result = self.tools.execute(call)
                 observation, finished, changed = result.observation, result.done, result.changed

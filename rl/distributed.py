@@ -37,6 +37,12 @@ The design, and why:
   version, from process 0, and the others wait at a barrier.
 - algo='spo' is refused over several processes: its stream collector draws the next
   prompts as rollouts finish, an order that differs from host to host.
+- Rollouts ahead of the learner (rollout.max_staleness > 0): every host draws the same
+  chunks of jobs at the same steps and runs its share of each; a step takes each
+  host's first finished share of the batch and gathers them (`gather_lists`). Which
+  groups those are depends on each host's timing, but every host trains on the same
+  gathered batch, so host state stays replicated; the jobs still in flight are
+  gathered into the checkpoint, each host re-running its own on resume.
 """
 
 from __future__ import annotations
@@ -154,6 +160,14 @@ def share(n: int, index: int | None = None, count: int | None = None) -> range:
     return range(index, n, count)
 
 
+def process_count() -> int:
+    return jax.process_count()
+
+
+def process_index() -> int:
+    return jax.process_index()
+
+
 def allgather_objects(obj: Any) -> list[Any]:
     """Every process's picklable `obj`, in process order (a blocking collective: all
     processes must call it)."""
@@ -185,6 +199,15 @@ async def gather_map(fn: Callable[[list[T]], Awaitable[Sequence[R]]],
         for i, result in zip(share(len(items), p, len(parts)), part, strict=True):
             out[i] = result
     return out
+
+
+async def gather_lists(items: Sequence[T]) -> list[T]:
+    """Every process's `items`, concatenated in process order (a collective, run in a
+    thread so the event loop goes on)."""
+    if jax.process_count() == 1:
+        return list(items)
+    parts = await asyncio.to_thread(allgather_objects, list(items))
+    return [x for part in parts for x in part]
 
 
 def digest(state: Any) -> str:

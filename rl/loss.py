@@ -1,14 +1,18 @@
-"""Policy losses: per-token objectives, aggregation weights, KL and TIS terms.
+"""Policy losses: per-token objectives, aggregation weights, KL and off-policy terms.
 
 Everything here is per token over arrays of one shape (e.g. a micro-batch [r, L])
-and pure. Which log-probs are which:
+and pure; sequence-level terms sum over each token's segment (rl.batch packs one
+trajectory per segment of a row). Which log-probs are which:
 - `sampler_logp` (Batch.old_logprobs): what the inference engine reported when it
   generated the token, `log_softmax(logits / T)` under the rollout policy.
 - `old_logp`: the PPO ratio's denominator. Either the sampler's log-probs
   (cfg.old_logprobs = "sampler") or the learner's own log-probs of the same
   tokens, recomputed with the parameters at the start of the train step
-  (cfg.old_logprobs = "learner"); only then is truncated importance sampling
-  (TIS) between the two meaningful.
+  (cfg.old_logprobs = "learner"); only then is the off-policy correction between
+  the two meaningful: truncated importance sampling (TIS), per token or per
+  sequence, and sequence masks (offpolicy_weights). Rollouts that ran ahead of the
+  learner (rollout.max_staleness) were sampled by older policies: this is where
+  that is corrected.
 - `logp`: the learner's current log-probs, the only differentiated input.
 
 Aggregation turns per-token losses into one scalar through weights w with
@@ -97,7 +101,7 @@ AGGREGATIONS: dict[str, Callable] = {
     "seq-mean-token-mean": seq_mean_token_mean_weights,
 }
 
-# --------------------------------------------------------------------------- KL and TIS
+# --------------------------------------------------------------------------- KL and off-policy
 
 KL_ESTIMATORS: dict[str, Callable] = {
     "k1": kl_api.kl_k1, "k2": kl_api.kl_k2, "k3": kl_api.kl_k3, "k3plus": kl_api.kl_k3plus,
@@ -105,16 +109,65 @@ KL_ESTIMATORS: dict[str, Callable] = {
 KL_KINDS = ("none", *KL_ESTIMATORS, "exact")
 
 
-def tis_weight(old_logp, sampler_logp, cap: float):
-    """Truncated importance weight w = min(exp(old_logp - sampler_logp), cap), no gradient.
+def sequence_sums(x, segment_ids):
+    """[r, L] -> [r, L]: at each token, the sum of x over its segment (its trajectory's
+    tokens in the row); 0 on padding (segment 0)."""
+    num_segments = x.shape[-1] + 1
 
-    Corrects for the sampler's numerics differing from the learner's
-    (old_logp: learner at the step start; sampler_logp: the engine's).
+    def row(values, segments):
+        sums = jax.ops.segment_sum(values, segments, num_segments=num_segments)
+        return jnp.where(segments > 0, sums[segments], 0.0)
+
+    return jax.vmap(row)(x.reshape(-1, x.shape[-1]), segment_ids.reshape(-1, x.shape[-1])
+                         ).reshape(x.shape)
+
+
+def offpolicy_weights(cfg, old_logp, sampler_logp, loss_mask, segment_ids):
+    """(weight[...], keep[...], geo_ratio[...]): the sampler -> learner-old correction of
+    each token, no gradient. With d = old_logp - sampler_logp on the loss tokens:
+
+      tis_level "token":    weight = min(exp(d_t), tis_cap)
+      tis_level "sequence": weight = min(exp(sum_seq d), tis_cap), on every token of it
+      (tis_cap 0: weight 1)
+      geo_ratio = exp(mean_seq d), the sequence's geometric-mean ratio
+      keep = 1 unless seq_mask_high > 0 and geo_ratio is outside [seq_mask_low,
+             seq_mask_high] (the whole sequence masked: its loss weight is 0)
+
+    A sequence is a segment of a row (rl.batch); sums and means run over its loss tokens
+    only, so prompt, observation and replayed-prefix tokens never count.
     """
-    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - sampler_logp), cap))
+    valid = loss_mask > 0
+    d = jnp.where(valid, old_logp - sampler_logp, 0.0)
+    seq_d = sequence_sums(d, segment_ids)
+    count = sequence_sums(valid.astype(jnp.float32), segment_ids)
+    geo_ratio = jnp.exp(seq_d / jnp.maximum(count, 1.0))
+    weight = jnp.ones_like(d)
+    if cfg.tis_cap:
+        weight = jnp.minimum(jnp.exp(d if cfg.tis_level == "token" else seq_d), cfg.tis_cap)
+    keep = jnp.ones_like(d)
+    if cfg.seq_mask_high:
+        inside = (geo_ratio >= cfg.seq_mask_low) & (geo_ratio <= cfg.seq_mask_high)
+        keep = inside.astype(jnp.float32)
+    stop = jax.lax.stop_gradient
+    return stop(weight), stop(keep), stop(geo_ratio)
 
 
 # --------------------------------------------------------------------------- the loss
+
+
+def offpolicy_metrics(cfg, weight, keep, geo_ratio, valid, token_weights):
+    """Token means (and max / min) of the importance weight, the share of loss tokens it
+    truncated, the share in masked sequences and the range of geometric-mean ratios."""
+    some = lambda x, fill: jnp.where(valid, x, fill)
+    m = {}
+    if cfg.tis_cap:
+        m.update(tis_mean=jnp.sum(token_weights * weight),
+                 tis_max=jnp.max(some(weight, -jnp.inf)), tis_min=jnp.min(some(weight, jnp.inf)),
+                 tis_clip_frac=jnp.sum(token_weights * (weight >= cfg.tis_cap)))
+    m.update(seq_masked_frac=jnp.sum(token_weights * (1.0 - keep)),
+             geo_ratio_max=jnp.max(some(geo_ratio, -jnp.inf)),
+             geo_ratio_min=jnp.min(some(geo_ratio, jnp.inf)))
+    return m
 
 
 def check_config(cfg) -> None:
@@ -128,9 +181,15 @@ def check_config(cfg) -> None:
     if cfg.old_logprobs not in ("sampler", "learner"):
         raise ValueError(f"loss.old_logprobs must be 'sampler' or 'learner', got "
                          f"{cfg.old_logprobs!r}")
-    if cfg.tis_cap and cfg.old_logprobs != "learner":
-        raise ValueError("loss.tis_cap needs loss.old_logprobs='learner' (TIS compares the "
-                         "learner's old log-probs with the sampler's)")
+    if (cfg.tis_cap or cfg.seq_mask_high) and cfg.old_logprobs != "learner":
+        raise ValueError("loss.tis_cap and loss.seq_mask_high need loss.old_logprobs='learner' "
+                         "(they compare the learner's old log-probs with the sampler's)")
+    if cfg.tis_level not in ("token", "sequence"):
+        raise ValueError(f"loss.tis_level must be 'token' or 'sequence', got {cfg.tis_level!r}")
+    if cfg.seq_mask_high and not 0 <= cfg.seq_mask_low <= 1 <= cfg.seq_mask_high:
+        raise ValueError(f"loss.seq_mask_low ({cfg.seq_mask_low}) and seq_mask_high "
+                         f"({cfg.seq_mask_high}) must bracket 1 (a sequence sampled by the "
+                         "learner's own policy is kept)")
     if cfg.dual_clip and cfg.dual_clip <= 1.0:
         raise ValueError(f"loss.dual_clip must be > 1 (or 0 for off), got {cfg.dual_clip}")
 
@@ -139,7 +198,7 @@ def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp, kl_
     """Scalar loss of a micro-batch and its metric contributions.
 
     cfg: the loss section (name, agg, eps_low, eps_high, dual_clip, kl, kl_coef,
-      old_logprobs, tis_cap).
+      old_logprobs, tis_cap, tis_level, seq_mask_low, seq_mask_high).
     logp, entropy: [...] current log-probs and tempered entropies (0 off the mask).
     mb: the micro-batch (`rl.batch.Batch` of [...] arrays).
     weights: [...] aggregation weights (AGGREGATIONS[cfg.agg] over the mini-batch).
@@ -147,7 +206,9 @@ def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp, kl_
     old_logp: [...] the ratio's denominator (see module docstring).
     kl_tok: [...] per-token KL to the reference when cfg.kl == "exact", else None.
 
-    loss = sum(w * (tis * loss_tok + kl_coef * kl_tok)).
+    loss = sum(w * (tis * keep * loss_tok + kl_coef * kl_tok)), tis and keep from
+    offpolicy_weights (1 when off); a masked sequence keeps its share of the
+    aggregation's denominator, as a token whose weight is 0.
     With learner old log-probs, sampler_gap_mean / _max are the token mean and max of
     |old_logp - sampler_logp|.
     Metrics are sums whose total over a mini-batch's micro-batches is the
@@ -167,11 +228,11 @@ def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp, kl_
         gap = jnp.abs(old_logp - sampler_logp)
         metrics["sampler_gap_mean"] = jnp.sum(token_weights * gap)
         metrics["sampler_gap_max"] = jnp.max(jnp.where(valid, gap, 0.0))
-    if cfg.tis_cap:
-        tis = tis_weight(old_logp, sampler_logp, cfg.tis_cap)
-        loss_tok = loss_tok * tis
-        metrics["tis_mean"] = jnp.sum(token_weights * tis)
-        metrics["tis_clip_frac"] = jnp.sum(token_weights * (tis >= cfg.tis_cap))
+    if cfg.tis_cap or cfg.seq_mask_high:
+        weight, keep, geo_ratio = offpolicy_weights(cfg, old_logp, sampler_logp, mb.loss_mask,
+                                                    mb.segment_ids)
+        loss_tok = loss_tok * (weight * keep)
+        metrics.update(offpolicy_metrics(cfg, weight, keep, geo_ratio, valid, token_weights))
     pg_loss = jnp.sum(weights * zero(loss_tok))
     loss = pg_loss
     if cfg.kl != "none":

@@ -26,8 +26,9 @@ copied as `replayed` (their ids are prefilled as prompt, never decoded or traine
 and the step counter and token budget continue from there.
 
 Collection modes: `collect_groups` (N rollouts per task, wait for all) and
-`StreamCollector` (keep more rollouts in flight than the batch needs, return the
-first B that finish, carry the rest into the next call).
+`StreamCollector` (keep more groups in flight than the batch needs, return the
+first B that finish, carry the rest into the next call, which runs them on under
+newer weights).
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from env import episode as episode_lib
 from env.grading import GRADINGS, GradeCache
+from env.latency import LatencyModel
 from env.sandbox.base import SandboxError
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
@@ -55,7 +58,7 @@ from inference.engine import (
     GenerateRequest,
 )
 from models.tokenizer import TOOL_CALL_END, Tokenizer
-from rl.prefix import PrefixTask
+from rl.prefix import PrefixQueue, PrefixTask
 from rl.types import Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -85,6 +88,8 @@ class RolloutConfig:
     grading: "fresh" grades the final patch in a new sandbox, as the official harness
       does; "in_place" in the episode's own sandbox: one sandbox less per episode, but
       whatever the agent left outside its patch reaches the reward (env.episode.Episode).
+    max_staleness, stale: how far rollouts run ahead of the learner, in policy versions,
+      and what becomes of a group past that bound (read by rl.algos; StreamCollector).
     """
 
     max_steps: int = 8
@@ -101,6 +106,8 @@ class RolloutConfig:
     logprobs: bool = True
     grade_cache: bool = True
     grading: str = "fresh"
+    max_staleness: int = 0
+    stale: str = "drop"
 
     def __post_init__(self):
         if self.grading not in GRADINGS:
@@ -118,19 +125,65 @@ class RolloutJob:
     replay: str = "patch"
 
 
+def encode_jobs(jobs: Sequence[RolloutJob]) -> dict[str, Any]:
+    """Host state of rollout jobs (task ids, seeds, replay modes and prefix tasks)."""
+    prefixes = PrefixQueue()
+    prefixes.push([j.prefix for j in jobs if j.prefix is not None])
+    return {"task_ids": [j.task.instance_id for j in jobs], "seeds": [j.seed for j in jobs],
+            "replay": [j.replay for j in jobs],
+            "has_prefix": [j.prefix is not None for j in jobs],
+            "prefixes": prefixes.state_dict()}
+
+
+def decode_jobs(state: Mapping[str, Any], task_by_id: Mapping[str, Any]) -> list[RolloutJob]:
+    """The jobs `encode_jobs` saved."""
+    prefixes = PrefixQueue()
+    prefixes.load_state_dict(state["prefixes"])
+    queued = iter(prefixes.tasks)
+    return [RolloutJob(task_by_id[t], prefix=next(queued) if has else None, seed=int(seed),
+                       replay=replay)
+            for t, seed, replay, has in zip(state["task_ids"], state["seeds"],
+                                            state["replay"], state["has_prefix"], strict=True)]
+
+
 SandboxFactory = Callable[[Task], object]
+
+
+class Activity:
+    """Wall time during which no request of this process waited on the engine: the
+    inference engine idle, as the rollouts see it (waiting on tools, on the learner, or
+    on nothing to do)."""
+
+    def __init__(self):
+        self.active, self._idle_s, self._since = 0, 0.0, time.perf_counter()
+
+    def start(self) -> None:
+        if self.active == 0:
+            self._idle_s += time.perf_counter() - self._since
+        self.active += 1
+
+    def end(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self._since = time.perf_counter()
+
+    def idle_s(self) -> float:
+        """Seconds idle so far."""
+        return self._idle_s + (time.perf_counter() - self._since if self.active == 0 else 0.0)
 
 
 class Agent:
     """Runs trajectories: one Engine, one tokenizer, sandboxes from a factory.
 
     `max_concurrent_envs` bounds the number of live sandboxes (episodes) at once.
+    `latency`: a model of slow tool calls (env.latency), slept before each call.
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, sandbox_factory: SandboxFactory,
                  cfg: RolloutConfig, max_concurrent_envs: int = 8, policy_version: int = 0,
-                 tools_in_prompt: bool = True):
+                 tools_in_prompt: bool = True, latency: LatencyModel | None = None):
         self.engine = engine
+        self.latency = latency if latency is not None and latency.enabled else None
         self.tokenizer = tokenizer
         self.cfg = cfg
         self.policy_version = policy_version
@@ -145,6 +198,7 @@ class Agent:
         self.stop_ids = sorted({tokenizer.special_ids[TOOL_CALL_END], tokenizer.eos_id,
                                 tokenizer.pad_id})
         self.grades = GradeCache()  # shared with the agents of with_sampling
+        self.activity = Activity()  # likewise
 
     def close(self) -> None:
         """Closes every live sandbox (also done at exit and on SIGTERM)."""
@@ -185,7 +239,11 @@ class Agent:
             context, budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
             stop_token_ids=self.stop_ids, seed=_seed(job.seed, attempt, len(context)),
             return_logprob=cfg.logprobs)
-        [result] = await self.engine.generate([request])
+        self.activity.start()
+        try:
+            [result] = await self.engine.generate([request])
+        finally:
+            self.activity.end()
         if result.finish_reason == "abort":
             raise EngineError(f"engine aborted a request of task {job.task.instance_id}")
         version = self.policy_version if result.policy_version is None \
@@ -194,7 +252,7 @@ class Agent:
 
     async def _run_once(self, job: RolloutJob, act) -> Trajectory:
         traj = Trajectory(task_id=job.task.instance_id, uid=uuid.uuid4().hex, turns=[],
-                          policy_version=self.policy_version)
+                          policy_version=self.policy_version, seed=job.seed)
         traj.timings = {"generate_s": 0.0, "env_s": 0.0, "grade_s": 0.0}
         try:
             async with self.pool.acquire(job.task) as sandbox:
@@ -226,6 +284,9 @@ class Agent:
                   "grades": self.grades if self.cfg.grade_cache else None,
                   "grading": self.cfg.grading,
                   "grader": functools.partial(self.pool.exchange, sandbox)}
+        if self.latency is not None:
+            kwargs["call_delay"] = functools.partial(self.latency.sleep, job.task.instance_id,
+                                                     job.seed)
         if job.prefix is None:
             episode = episode_lib.Episode(sandbox, job.task, **kwargs)
             first = episode.reset()
@@ -336,7 +397,7 @@ async def run_guarded(agent: Agent, job: RolloutJob) -> Trajectory:
         _log_env_error(job, e)
         return Trajectory(task_id=job.task.instance_id, uid=uuid.uuid4().hex, turns=[],
                           policy_version=agent.policy_version, status="env_error",
-                          error=_describe(e))
+                          error=_describe(e), seed=job.seed)
 
 
 def _seed(base: int, attempt: int, turn: int) -> int:
@@ -359,32 +420,63 @@ async def collect_groups(agent: Agent, jobs: Sequence[RolloutJob], n: int,
 
 
 class StreamCollector:
-    """Single-stream collection: `in_flight` rollouts run at once; `collect(B)` returns
-    the first B that finish; the others keep running and count for the next call.
+    """Rollouts that run ahead of the learner: `in_flight` groups of `group_size` rollouts
+    run at once; `collect(B, version)` returns the first B groups whose last member has
+    finished; the others keep running (across weight updates: partial rollouts, each
+    turn stamped with the version that sampled it) and count for the next call.
 
-    Trajectories that finish later were sampled partly under older weights; their
-    stored sampler log-probs keep the importance ratio correct.
+    SPO's single stream is groups of one; GRPO and Prefix Sampling run groups of N with
+    (max_staleness + 1) batches in flight (rl.algos.grpo_ps).
+
+    max_staleness: None, no bound; else a group is stale when its oldest turn is more
+      than max_staleness versions older than `version` (the policy the learner updates).
+    stale: what happens to a stale group: "drop" (its trajectories are discarded and its
+      job runs again) or "finish" (trained on all the same); each counted in `stats()`.
+    The importance ratio against the stored sampler log-probs (rl.loss) corrects for the
+    older policies.
     """
 
     def __init__(self, agent: Agent, next_job: Callable[[], RolloutJob | None],
-                 in_flight: int):
+                 in_flight: int, group_size: int = 1, max_staleness: int | None = None,
+                 stale: str = "drop"):
         if in_flight < 1:
             raise ValueError(f"in_flight must be >= 1, got {in_flight}")
+        if stale not in ("drop", "finish"):
+            raise ValueError(f"stale must be 'drop' or 'finish', got {stale!r}")
         self.agent = agent
         self.next_job = next_job
         self.in_flight = in_flight
+        self.group_size = group_size
+        self.max_staleness, self.stale = max_staleness, stale
         self._running: set[asyncio.Task] = set()
+        self._jobs: dict[asyncio.Task, RolloutJob] = {}  # in start order
+        self._requeued: list[RolloutJob] = []
+        self._counts = {"dropped_stale": 0, "trained_stale": 0}
+
+    async def _group(self, job: RolloutJob) -> list[Trajectory]:
+        if self.group_size == 1:
+            return [await run_guarded(self.agent, job)]
+        return (await collect_groups(self.agent, [job], self.group_size))[0]
 
     def _top_up(self) -> None:
         while len(self._running) < self.in_flight:
-            job = self.next_job()
+            job = self._requeued.pop(0) if self._requeued else self.next_job()
             if job is None:  # a finite stream has run out
                 return
-            self._running.add(asyncio.create_task(run_guarded(self.agent, job)))
+            task = asyncio.create_task(self._group(job))
+            self._running.add(task)
+            self._jobs[task] = job
 
-    async def collect(self, batch_size: int,
-                      progress: Callable[[int], None] | None = None) -> list[Trajectory]:
-        done: list[Trajectory] = []
+    def _is_stale(self, group: Sequence[Trajectory], version: int | None) -> bool:
+        if self.max_staleness is None or version is None:
+            return False
+        return version - min(t.versions[0] for t in group) > self.max_staleness
+
+    async def collect(self, batch_size: int, progress: Callable[[int], None] | None = None,
+                      version: int | None = None) -> list[list[Trajectory]]:
+        """The first `batch_size` groups to finish (fewer when a finite stream runs out);
+        `version`: the policy version the learner will update (for the staleness bound)."""
+        done: list[tuple[asyncio.Task, list[Trajectory]]] = []
         while len(done) < batch_size:
             self._top_up()
             if not self._running:  # a finite stream, all of it collected
@@ -392,25 +484,52 @@ class StreamCollector:
             finished, self._running = await asyncio.wait(
                 self._running, return_when=asyncio.FIRST_COMPLETED)
             for task in finished:
-                done.append(task.result())
+                group = task.result()
+                if self._is_stale(group, version):
+                    key = "dropped_stale" if self.stale == "drop" else "trained_stale"
+                    self._counts[key] += 1
+                    if self.stale == "drop":
+                        self._requeued.append(self._jobs.pop(task))
+                        continue
+                done.append((task, group))
                 if progress is not None:
-                    progress(1)
+                    progress(len(group))
         # Extra finishers beyond B stay for the next batch, in finishing order.
         extra, done = done[batch_size:], done[:batch_size]
-        for traj in extra:
-            self._running.add(_completed(traj))
+        for task, group in extra:
+            carried = _completed(group)
+            self._jobs[carried] = self._jobs.pop(task)
+            self._running.add(carried)
+        for task, _ in done:
+            del self._jobs[task]
         self._top_up()  # keep the stream full while the caller trains on this batch
-        return done
+        return [group for _, group in done]
+
+    def pending(self) -> list[RolloutJob]:
+        """Jobs started or queued and not yet returned by collect, in start order (what a
+        checkpoint re-queues: none of them has been trained on)."""
+        return [*self._jobs.values(), *self._requeued]
+
+    def requeue(self, jobs: Sequence[RolloutJob]) -> None:
+        """Runs `jobs` before any new one (a resumed run's pending work)."""
+        self._requeued[:0] = list(jobs)
+
+    def stats(self) -> dict[str, float]:
+        """Stale groups since the last call: dropped (and re-run) or trained on."""
+        out = {f"async/{k}": float(v) for k, v in self._counts.items()}
+        self._counts = dict.fromkeys(self._counts, 0)
+        return out
 
     async def close(self) -> None:
         for task in self._running:
             task.cancel()
         await asyncio.gather(*self._running, return_exceptions=True)
         self._running.clear()
+        self._jobs.clear()
 
 
-def _completed(traj: Trajectory) -> asyncio.Task:
-    async def value() -> Trajectory:
-        return traj
+def _completed(group: list[Trajectory]) -> asyncio.Task:
+    async def value() -> list[Trajectory]:
+        return group
 
     return asyncio.ensure_future(value())

@@ -321,6 +321,16 @@ def rollout_metrics(trajs: Sequence[Trajectory], groups: Sequence[Sequence[Traje
     return m
 
 
+def lag_metrics(lags: np.ndarray) -> dict[str, float]:
+    """Mean and max of the policy versions a step's trajectories lag the learner's, and
+    the count of each lag (async/lag_k)."""
+    if not lags.size:
+        return {}
+    values, counts = np.unique(lags.astype(np.int64), return_counts=True)
+    return {"async/lag_mean": float(lags.mean()), "async/lag_max": float(lags.max()),
+            **{f"async/lag_{v}": float(c) for v, c in zip(values, counts, strict=True)}}
+
+
 def histograms(groups: Sequence[Sequence[Trajectory]]) -> dict[str, np.ndarray]:
     rates = [np.mean([t.reward for t in g if t.reward is not None]) for g in groups
              if any(t.reward is not None for t in g)]

@@ -70,6 +70,7 @@ class Trajectory:
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     error: str = ""  # what went wrong, for env_error
     grade_cached: bool = False  # the reward is a kept grade of the same patch (GradeCache)
+    seed: int = 0  # the rollout's seed (rl.rollout.RolloutJob.seed): which job it ran
 
     @property
     def num_steps(self) -> int:
@@ -96,6 +97,15 @@ class Trajectory:
             logp += turn.action_logprobs if trained else [0.0] * len(turn.action_ids)
         return (np.asarray(ids, np.int32), np.asarray(mask, np.int32),
                 np.asarray(logp, np.float32))
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        """(oldest, newest) policy version that sampled this trajectory's own turns (a
+        rollout that ran across weight updates spans several); the version it started
+        under when no turn reports one."""
+        own = [t.policy_version for t in self.turns
+               if not t.replayed and t.policy_version is not None]
+        return (min(own), max(own)) if own else (self.policy_version, self.policy_version)
 
     @property
     def num_generated_tokens(self) -> int:

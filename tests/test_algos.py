@@ -27,6 +27,7 @@ def _config(batch_tasks=6, **spo_overrides):
     c = ml_collections.ConfigDict(dict(seed=0, algo="spo", batch_tasks=batch_tasks))
     c.spo = common.spo_defaults()
     c.spo.update(spo_overrides)
+    c.rollout = common.staleness_defaults()
     return c
 
 

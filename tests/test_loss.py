@@ -18,7 +18,8 @@ ADVANTAGES = (1.5, -2.0, -0.5)
 
 def _cfg(**kw):
     base = dict(name="ppo", agg="token-mean", eps_low=0.2, eps_high=0.28, dual_clip=0.0,
-                kl="none", kl_coef=0.0, old_logprobs="sampler", tis_cap=0.0)
+                kl="none", kl_coef=0.0, old_logprobs="sampler", tis_cap=0.0,
+                tis_level="token", seq_mask_low=0.0, seq_mask_high=0.0)
     base.update(kw)
     return ml_collections.ConfigDict(base)
 

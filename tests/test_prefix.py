@@ -347,6 +347,7 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
                                                 advantage="grpo", reject_degenerate=True))
         config.ps = common.prefix_defaults()
         config.ps.replay = replay
+        config.rollout = common.staleness_defaults()
         return algos.GRPOPrefix(algos.Context(config, agent, tasks, score=None))
 
     async def run():

@@ -252,7 +252,47 @@ def test_stream_collection_returns_first_finished_and_carries_the_rest(model, to
     assert len(first) == 3 and len(second) == 3
     # Nothing is dropped: every launched rollout was returned or is still carried.
     assert launched_before == 3 + carried and carried >= 2
-    assert len({t.uid for t in first + second}) == 6
+    assert len({t.uid for g in first + second for t in g}) == 6
+
+
+@pytest.mark.parametrize("stale", ["drop", "finish"])
+def test_stream_of_groups_bounds_staleness(model, tokenizer, factory, stale):
+    """Groups of 2 with max_staleness=1: groups started at version 0 and collected at
+    version 2 are run again under version 2 ("drop") or returned as they are ("finish"),
+    and counted either way; whole groups come back, and pending() names the jobs in
+    flight."""
+    agent = make_agent(model, tokenizer, factory, max_steps=1)
+    seeds = iter(range(100))
+
+    def next_job():
+        return RolloutJob(TASKS[0], seed=next(seeds))
+
+    async def run():
+        collector = StreamCollector(agent, next_job, in_flight=3, group_size=2,
+                                    max_staleness=1, stale=stale)
+        first = await collector.collect(1, version=0)
+        in_flight = [j.seed for j in collector.pending()]
+        await asyncio.sleep(3.0)  # (the groups in flight finish their one turn meanwhile)
+        for _ in range(2):  # two weight updates, as train.py's sync makes them
+            await agent.engine.update_weights(agent.engine.inner.params)
+            agent.policy_version += 1
+        second = await collector.collect(2, version=2)
+        stats = collector.stats()
+        await collector.close()
+        return first, in_flight, second, stats
+
+    first, in_flight, second, stats = asyncio.run(run())
+    assert len(first) == 1 and len(in_flight) == 3 and len(second) == 2
+    assert all(len(g) == 2 and len({t.seed for t in g}) == 2 for g in first + second)
+    jobs = {t.seed // 1009 for g in second for t in g}
+    assert len(jobs) == 2 and jobs <= set(in_flight)  # the jobs in flight, none new
+    lags = [2 - min(t.versions[0] for t in g) for g in second]
+    if stale == "drop":  # run again: within the bound
+        assert max(lags) <= 1 and stats["async/trained_stale"] == 0
+        assert stats["async/dropped_stale"] >= 1
+    else:  # trained as they are, counted
+        assert max(lags) == 2 and stats["async/dropped_stale"] == 0
+        assert stats["async/trained_stale"] >= sum(lag > 1 for lag in lags)
 
 
 def test_any_exception_of_one_episode_is_its_env_error_and_never_fails_collection(

@@ -61,6 +61,8 @@ class SPO(Algorithm):
         ids = list(self.task_by_id)
         self.pool_ids = ids[:self.cfg.pool_size] if self.cfg.pool_size else ids
         self.started = not (self.cfg.init_samples or self.cfg.init_values)
+        # rollout.max_staleness 0: the stream as it always ran, its rollouts' ages unbounded.
+        self.max_staleness, self.stale = c.rollout.max_staleness, c.rollout.stale
         self._queued: list[str] = []
         self._collector: StreamCollector | None = None
         self._pending: tuple[list[str], np.ndarray, list[tuple[np.ndarray, np.ndarray]]] | None
@@ -93,7 +95,7 @@ class SPO(Algorithm):
         total = len(self.pool_ids) * self.cfg.init_samples
         collector = StreamCollector(self.agent, lambda: next(jobs, None), self.cfg.in_flight)
         try:
-            trajs = await collector.collect(total, progress)
+            trajs = [t for g in await collector.collect(total, progress) for t in g]
         finally:
             await collector.close()
         counts: dict[str, list[int]] = {}
@@ -133,8 +135,11 @@ class SPO(Algorithm):
 
     async def collect(self, step: int, progress: Progress = None) -> list[list[Trajectory]]:
         if self._collector is None:
-            self._collector = StreamCollector(self.agent, self._next_job, self.cfg.in_flight)
-        return [[t] for t in await self._collector.collect(self.batch_tasks, progress)]
+            self._collector = StreamCollector(
+                self.agent, self._next_job, self.cfg.in_flight,
+                max_staleness=self.max_staleness or None, stale=self.stale)
+        return await self._collector.collect(self.batch_tasks, progress,
+                                             version=self.agent.policy_version)
 
     # ------------------------------------------------------------ the tracker
 
@@ -150,7 +155,10 @@ class SPO(Algorithm):
         v_before = self.tracker.values(ids)
         self._pending = (ids, rewards, [t.token_arrays()[:2] for t in scored])
         adv = spo.spo_advantages(rewards, v_before, ddof=self.cfg.adv_std_ddof)
-        return scored, adv, {"spo/v_mean": float(v_before.mean())}
+        metrics = {"spo/v_mean": float(v_before.mean())}
+        if self.max_staleness and self._collector is not None:
+            metrics.update(self._collector.stats())
+        return scored, adv, metrics
 
     async def after_update(self, step: int, params) -> dict[str, float]:
         """D under the updated params, the tracker update, this step's responses stored."""
