@@ -380,7 +380,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "engine.sglang.on_restart": ("reload", "drop"),
     "engine.sglang.export_dtype": ("bfloat16", "float16", "float32"),
     "env.backend": ("local", "docker"),
-    "rollout.grading": ("fresh", "in_place"),
+    "rollout.grading": ("fresh", "in_place"), "rollout.stale": ("drop", "finish"),
     "ps.replay": ("patch", "reexec"),
     "spo.rho_type": ("kl", "constant"), "spo.init_form": ("reference", "paper"),
     "spo.duplicates": ("sequential", "last"), "spo.unseen": ("draw", "skip"),
@@ -390,6 +390,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "learner.loss.agg": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "learner.loss.kl": ("none", "k1", "k2", "k3", "k3plus", "exact"),
     "learner.loss.old_logprobs": ("sampler", "learner"),
+    "learner.loss.tis_level": ("token", "sequence"),
 }
 
 

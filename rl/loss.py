@@ -107,6 +107,7 @@ KL_ESTIMATORS: dict[str, Callable] = {
     "k1": kl_api.kl_k1, "k2": kl_api.kl_k2, "k3": kl_api.kl_k3, "k3plus": kl_api.kl_k3plus,
 }
 KL_KINDS = ("none", *KL_ESTIMATORS, "exact")
+TIS_LEVELS = ("token", "sequence")  # where truncated importance weights are taken
 
 
 def sequence_sums(x, segment_ids):
@@ -184,8 +185,8 @@ def check_config(cfg) -> None:
     if (cfg.tis_cap or cfg.seq_mask_high) and cfg.old_logprobs != "learner":
         raise ValueError("loss.tis_cap and loss.seq_mask_high need loss.old_logprobs='learner' "
                          "(they compare the learner's old log-probs with the sampler's)")
-    if cfg.tis_level not in ("token", "sequence"):
-        raise ValueError(f"loss.tis_level must be 'token' or 'sequence', got {cfg.tis_level!r}")
+    if cfg.tis_level not in TIS_LEVELS:
+        raise ValueError(f"loss.tis_level must be one of {TIS_LEVELS}, got {cfg.tis_level!r}")
     if cfg.seq_mask_high and not 0 <= cfg.seq_mask_low <= 1 <= cfg.seq_mask_high:
         raise ValueError(f"loss.seq_mask_low ({cfg.seq_mask_low}) and seq_mask_high "
                          f"({cfg.seq_mask_high}) must bracket 1 (a sequence sampled by the "

@@ -114,6 +114,10 @@ class RolloutConfig:
             raise ValueError(f"rollout.grading must be one of {GRADINGS}, got {self.grading!r}")
 
 
+# What becomes of a group older than rollout.max_staleness: re-run, or trained on anyway.
+STALE_POLICIES = ("drop", "finish")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutJob:
     """One rollout to run. replay: how a prefix's state is restored, "patch" (apply the
@@ -441,8 +445,8 @@ class StreamCollector:
                  stale: str = "drop"):
         if in_flight < 1:
             raise ValueError(f"in_flight must be >= 1, got {in_flight}")
-        if stale not in ("drop", "finish"):
-            raise ValueError(f"stale must be 'drop' or 'finish', got {stale!r}")
+        if stale not in STALE_POLICIES:
+            raise ValueError(f"stale must be one of {STALE_POLICIES}, got {stale!r}")
         self.agent = agent
         self.next_job = next_job
         self.in_flight = in_flight

@@ -344,13 +344,14 @@ def test_choices_agree_with_the_code_that_reads_them():
     from env import grading, sandbox
     from inference import sglang
     from kernels.logprob import api as logprob_api
-    from rl import loss
+    from rl import loss, rollout
 
     owners = {"model.preset": tuple(qwen3.PRESETS), "model.remat": tuple(qwen3.REMAT_POLICIES),
               "model.attention": qwen3.ATTENTION_IMPLS,
               "engine.sglang.sync_mode": sglang.SYNC_MODES,
               "engine.sglang.on_restart": sglang.ON_RESTART, "env.backend": sandbox.BACKENDS,
-              "rollout.grading": grading.GRADINGS,
+              "rollout.grading": grading.GRADINGS, "rollout.stale": rollout.STALE_POLICIES,
+              "learner.loss.tis_level": loss.TIS_LEVELS,
               "learner.logprob_impl": (None, *logprob_api.IMPLEMENTATIONS),
               "learner.loss.name": tuple(loss.TOKEN_LOSSES),
               "learner.loss.agg": tuple(loss.AGGREGATIONS), "learner.loss.kl": loss.KL_KINDS}
