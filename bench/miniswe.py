@@ -26,8 +26,9 @@ from env.miniswe import expert_demo, generate_tasks
 
 
 def run_demo(factory, task, demo, checks=None) -> list[str]:
-    """Runs a demo in a fresh episode; `checks(sandbox, before)` runs before the demo and
-    after its reward, in the same sandbox. Returns what went wrong."""
+    """Runs a demo in a fresh episode; `checks(sandbox, before)` runs before the demo in
+    the episode's sandbox, and after a demo that scored as it should in a new one of the
+    same task. Returns what went wrong."""
     with Episode(factory, task) as episode:
         episode.reset()
         if episode.status == "env_error":
@@ -38,17 +39,19 @@ def run_demo(factory, task, demo, checks=None) -> list[str]:
                 break
             episode.step(tool_call)
         reward = episode.reward()
-        if episode.status != "finished" or reward != float(demo.correct):
+        demo_ok = episode.status == "finished" and reward == float(demo.correct)
+        if not demo_ok:
             problems.append(f"demo correct={demo.correct} ({demo.mistake}): "
                             f"{episode.status} reward={reward} {episode.error}")
-        elif checks:
-            problems += checks(episode.sandbox, before=False)
+    if checks and demo_ok:  # in a new sandbox: fresh grading closed the episode's
+        with factory(task) as sandbox:
+            problems += checks(sandbox, before=False)
     return problems
 
 
 def check_task(factory, task, index: int, imperfect: bool) -> list[str]:
-    """Untouched -> 0, expert -> 1, then reset to the base tree: gold -> 1, all in the
-    expert's sandbox; with `imperfect`, also the imperfect demo of rng seed `index` -> 0
+    """Untouched -> 0, expert -> 1 (graded fresh), then in a new sandbox reset to the base
+    tree: gold -> 1; with `imperfect`, also the imperfect demo of rng seed `index` -> 0
     in a sandbox of its own. Returns what went wrong, each prefixed by the task id."""
 
     def gold_and_untouched(sandbox, before):
