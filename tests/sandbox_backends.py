@@ -47,3 +47,11 @@ def tree_hashes(sandbox) -> dict[str, str]:
     """path -> sha256 of every file outside .git, computed by sha256sum in the sandbox."""
     out = sandbox.run("find . -path ./.git -prune -o -type f -print0 | xargs -0 sha256sum").output
     return {line[66:].removeprefix("./"): line[:64] for line in out.splitlines()}
+
+
+def world_readable(root: str) -> None:
+    """Directories 0755 and files 0644 under `root`: a sandbox's own uid can read them."""
+    for path, _, files in os.walk(root):
+        os.chmod(path, 0o755)
+        for name in files:
+            os.chmod(os.path.join(path, name), 0o644)

@@ -52,6 +52,14 @@ def next_token(context: list[int], vocab: int = VOCAB) -> int:
     return (sum(context) * 31 + len(context)) % vocab
 
 
+def expected_ids(prompt: list[int], n: int, vocab: int = VOCAB) -> list[int]:
+    """The `n` tokens the stub generates greedily after `prompt`."""
+    out = []
+    for _ in range(n):
+        out.append(next_token(list(prompt) + out, vocab))
+    return out
+
+
 def token_logprob(token: int) -> float:
     return -0.01 * (token % 50) - 0.01
 

@@ -171,7 +171,7 @@ def test_two_processes_run_ahead_and_resume_after_kill(tmp_path):
     """2 processes x 4 devices, max_staleness=1: each runs its share of every chunk of
     jobs, the groups are gathered; killed after the checkpoint of RL step 1 and resumed,
     every job drawn is trained once (both members) or still pending, none twice."""
-    from test_multihost import _finish, _logs, _spawn
+    from test_multihost import _finish, _kill_once_saved, _logs, _spawn
 
     workdir = str(tmp_path / "two")
     args = [sys.executable, "train.py", "--config", "configs/default.py:smoke,steps=4",
@@ -180,15 +180,8 @@ def test_two_processes_run_ahead_and_resume_after_kill(tmp_path):
             "--set", "env.latency.median_s=0.05", "--set", "env.latency.slow_share=0.25",
             "--set", "ckpt_keep=10", "--workdir", workdir]
     first = _spawn(args, 2, 4, workdir + "_first")
-    deadline = time.monotonic() + 900
     step1 = os.path.join(workdir, "ckpt", "1")
-    while (not os.path.isdir(step1) and time.monotonic() < deadline
-           and all(p.poll() is None for p in first)):
-        time.sleep(0.1)
-    for proc in first:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    _kill_once_saved(first, step1)
     assert os.path.isdir(step1), _logs(workdir + "_first", 2)[0][1][-3000:]
     resumed = _finish(_spawn(args, 2, 4, workdir), workdir, timeout=900)
     assert all("resumed from" in err for _, err in resumed)

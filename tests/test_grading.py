@@ -29,7 +29,7 @@ import threading
 import time
 
 import pytest
-from sandbox_backends import docker_defaults
+from sandbox_backends import docker_defaults, world_readable
 
 from env.episode import Episode, sandbox_factory
 from env.grading import (
@@ -225,10 +225,7 @@ def pytest_dir(request):
                            *PYTEST_RELEASES[request.param]],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"cannot install pytest {request.param}: {proc.stderr}"
-    for root, _, files in os.walk(out):
-        os.chmod(root, 0o755)
-        for name in files:
-            os.chmod(os.path.join(root, name), 0o644)
+    world_readable(out)
     yield out
     shutil.rmtree(out, ignore_errors=True)
 

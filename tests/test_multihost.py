@@ -50,6 +50,20 @@ def _spawn(args: list[str], count: int, devices: int, logs: str) -> list[subproc
     return procs
 
 
+def _kill_once_saved(procs: list[subprocess.Popen], step_dir: str,
+                     timeout: float = 900) -> None:
+    """Waits until the checkpoint `step_dir` is complete (Orbax finalises a step by renaming
+    its directory), a process exits or `timeout` passes; then SIGKILLs every process group."""
+    deadline = time.monotonic() + timeout
+    while (not os.path.isdir(step_dir) and time.monotonic() < deadline
+           and all(p.poll() is None for p in procs)):
+        time.sleep(0.2)
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):  # (one that failed has exited)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def _logs(logs: str, count: int) -> list[tuple[str, str]]:
     """(stdout, stderr) of each process of `_spawn(..., logs)`, stdout without the lines
     gloo prints as its connections come up."""
@@ -208,15 +222,8 @@ def test_two_processes_match_one_and_resume_after_kill(tmp_path):
     # RL step 1 is complete: Orbax finalises a step by renaming its directory), at once.
     reference = _spawn([sys.executable, *SMOKE, "--workdir", one], 0, 8, one)
     first = _spawn([sys.executable, *SMOKE, "--workdir", two], 2, 4, two + "_first")
-    deadline = time.monotonic() + 900
     step1 = os.path.join(two, "ckpt", "1")
-    while (not os.path.isdir(step1) and time.monotonic() < deadline
-           and all(p.poll() is None for p in first)):
-        time.sleep(0.2)
-    for proc in first:
-        with contextlib.suppress(ProcessLookupError):  # (one that failed has exited)
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    _kill_once_saved(first, step1)
     first_logs = [err for _, err in _logs(two + "_first", 2)]
     assert os.path.isdir(step1), first_logs[0][-3000:]
     resumed = _finish(_spawn([sys.executable, *SMOKE, "--workdir", two], 2, 4, two),

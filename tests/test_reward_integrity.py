@@ -21,7 +21,7 @@ import tarfile
 import tempfile
 
 import pytest
-from sandbox_backends import BACKENDS, docker_defaults, ensure_image
+from sandbox_backends import BACKENDS, docker_defaults, ensure_image, world_readable
 
 from env.episode import Episode, sandbox_factory
 from env.grading import GradeCache, grade, grade_patch
@@ -193,10 +193,7 @@ def pytest_dir():
     py = os.path.join(os.path.dirname(os.path.dirname(pytest.__file__)), "py.py")
     if os.path.exists(py):
         shutil.copy(py, out)
-    for root, _, files in os.walk(out):
-        os.chmod(root, 0o755)
-        for name in files:
-            os.chmod(os.path.join(root, name), 0o644)
+    world_readable(out)
     yield out
     shutil.rmtree(out, ignore_errors=True)
 

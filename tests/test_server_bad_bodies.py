@@ -6,14 +6,13 @@ import contextlib
 import json
 
 import pytest
-from aiohttp import web
 from flax import nnx
 
 from inference.embedded import EmbeddedEngine
 from inference.engine import GenerateRequest
-from inference.server import Server
-from inference.sglang import SGLangClient, free_port
+from inference.sglang import SGLangClient
 from models.qwen3 import Qwen3, Qwen3Config
+from tests.servers import served
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                   num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=10_000.0,
@@ -60,17 +59,14 @@ ABORT = {
 
 
 @contextlib.asynccontextmanager
-async def served():
+async def served_tiny():
+    """The project's server on a tiny random model's engine; yields its URL."""
     engine = EmbeddedEngine(Qwen3(CFG, rngs=nnx.Rngs(0)), max_batch=2, min_batch=2,
                             max_len=16, min_len=16)
-    runner = web.AppRunner(Server(engine).app())
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        async with served(engine) as url:
+            yield url
     finally:
-        await runner.cleanup()
         engine.close()
 
 
@@ -83,7 +79,7 @@ async def post(http, url, body):
 
 def test_malformed_bodies_answer_400_with_the_reason_and_the_server_serves_on():
     async def go():
-        async with served() as url, SGLangClient([url]) as client:
+        async with served_tiny() as url, SGLangClient([url]) as client:
             http = client._http()
             answers = {}
             for route, cases in (("/generate", GENERATE), ("/abort_request", ABORT),
@@ -107,7 +103,7 @@ def test_malformed_bodies_answer_400_with_the_reason_and_the_server_serves_on():
 @pytest.mark.parametrize("body", [{"rid": "nobody"}, {"abort_all": True}, {}, None])
 def test_wellformed_abort_bodies_answer_200(body):
     async def go():
-        async with served() as url, SGLangClient([url]) as client:
+        async with served_tiny() as url, SGLangClient([url]) as client:
             return (await post(client._http(), url + "/abort_request", body or ""))[0]
 
     assert asyncio.run(go()) == 200

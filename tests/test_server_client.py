@@ -2,7 +2,6 @@
 started and stopped by SGLangLauncher; the in-process EmbeddedEngine is the reference."""
 
 import asyncio
-import contextlib
 import importlib.metadata
 import json
 import os
@@ -31,6 +30,7 @@ from inference.sglang import (
 )
 from models import hf_io
 from models.qwen3 import Qwen3, Qwen3Config
+from tests.servers import served
 
 CFG = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
@@ -291,23 +291,6 @@ def test_sglang_protocol_pause_info_limits_and_range_checks(servers):
 
     with pytest.raises(ContextLengthError, match="maximum context length of 32"):
         run(overflow())
-
-
-@contextlib.asynccontextmanager
-async def served(engine):
-    """The project's server on `engine`, in this event loop; yields its URL."""
-    from aiohttp import web
-
-    from inference.server import Server
-
-    runner = web.AppRunner(Server(engine).app())
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 def test_flush_cache_empties_the_engines_prefix_cache(models):

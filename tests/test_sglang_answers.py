@@ -10,18 +10,11 @@ import pytest
 
 from inference import sglang
 from inference.engine import EngineError, GenerateRequest
-from tests.sglang_stub import StubSGLang, next_token, token_logprob
+from tests.sglang_stub import StubSGLang, expected_ids, token_logprob
 
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def expected_ids(prompt, n, vocab=1000):
-    out = []
-    for _ in range(n):
-        out.append(next_token(list(prompt) + out, vocab))
-    return out
 
 
 async def with_stub(body, **stub_kw):

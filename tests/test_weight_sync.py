@@ -14,7 +14,7 @@ from inference import sglang
 from inference.engine import BrokenSampleError, ContextLengthError, EngineError, GenerateRequest
 from models.qwen3 import Qwen3, Qwen3Config
 from models.tokenizer import train_bpe
-from tests.sglang_stub import StubSGLang, next_token, token_logprob
+from tests.sglang_stub import StubSGLang, expected_ids, token_logprob
 
 RECIPES = ["configs/grpo_swe.py", "configs/ps_qwen3_14b_swe.py", "configs/ps_qwen3_32b_swe.py",
            "configs/spo_qwen3_8b.py"]
@@ -22,13 +22,6 @@ RECIPES = ["configs/grpo_swe.py", "configs/ps_qwen3_14b_swe.py", "configs/ps_qwe
 
 def run(coro):
     return asyncio.run(coro)
-
-
-def expected_ids(prompt, n, vocab=1000):
-    out = []
-    for _ in range(n):
-        out.append(next_token(list(prompt) + out, vocab))
-    return out
 
 
 async def with_stubs(n, body, **stub_kw):
