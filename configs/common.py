@@ -154,8 +154,12 @@ def sandbox_defaults() -> dict[str, Any]:
     local_allow_unisolated: let the local backend run commands unisolated (with the
       trainer's rights) where it cannot isolate them (no root, no namespaces); by
       default it refuses to start there.
+    local_read_only: host paths an isolated local sandbox sees, read-only, besides the
+      toolchain (/usr and the links into it): e.g. an environment its tasks' env_setup
+      activates. Nothing else of the host is there to read.
     """
-    return dict(docker_hosts=(), docker_slots=0, local_allow_unisolated=False)
+    return dict(docker_hosts=(), docker_slots=0, local_allow_unisolated=False,
+                local_read_only=())
 
 
 def staleness_defaults() -> dict[str, Any]:

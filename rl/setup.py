@@ -224,6 +224,7 @@ def sandbox_factory(env_cfg) -> Callable[[Task], Any]:
         if stale:
             log.info("removed %d sandbox directories of exited processes", len(stale))
         defaults["allow_unisolated"] = env_cfg.local_allow_unisolated
+        defaults["read_only"] = tuple(env_cfg.local_read_only)
     return factory(env_cfg.backend, **defaults)
 
 

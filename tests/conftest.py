@@ -78,3 +78,21 @@ def docker_client():
     except Exception as e:  # noqa: BLE001 - any failure means no usable engine
         _missing("Docker engine", repr(e))
     return client
+
+
+@pytest.fixture(scope="session")
+def isolated():
+    """Skip/fail unless the local sandbox isolates commands here (root, namespaces)."""
+    from env.sandbox.local import isolation_available
+
+    if not isolation_available():
+        _missing("local sandbox isolation", "needs root and mount/PID/network namespaces")
+
+
+@pytest.fixture(scope="session")
+def memory_cgroups(isolated):
+    """Skip/fail unless isolated local sandboxes get a memory cgroup here."""
+    from env.sandbox import cgroup
+
+    if not cgroup.available():
+        _missing("memory cgroups", "root cannot make a memory cgroup here")

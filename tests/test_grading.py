@@ -205,6 +205,8 @@ def sympy_row() -> dict:
 # pytest majors the grading is checked against: SWE-bench's images pin old releases,
 # R2E-Gym, SWE-smith and new repositories run current ones. Each is installed once per
 # run, exactly pinned with its dependencies, from the package index.
+# Where the pytest_dir fixture installs; local sandboxes see it (LocalSandbox read_only).
+PYTEST_HOME = os.path.join(tempfile.gettempdir(), "grading-pytest")
 PYTEST_RELEASES = {
     "7": ("pytest==7.4.4", "pluggy==1.7.0", "iniconfig==2.3.1", "packaging==26.4"),
     "8": ("pytest==8.4.2", "pluggy==1.7.0", "iniconfig==2.3.1", "packaging==26.4",
@@ -219,7 +221,8 @@ def pytest_dir(request):
     """A pytest release (with its package metadata) installed in a world-readable
     directory that the task's env_setup puts on PYTHONPATH: the sandbox's python (and
     uid) cannot see this interpreter's packages."""
-    out = tempfile.mkdtemp(prefix=f"grading-pytest{request.param}-")
+    os.makedirs(PYTEST_HOME, exist_ok=True)
+    out = tempfile.mkdtemp(prefix=f"pytest{request.param}-", dir=PYTEST_HOME)
     proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
                            "--disable-pip-version-check", "--target", out,
                            *PYTEST_RELEASES[request.param]],
@@ -230,7 +233,8 @@ def pytest_dir(request):
     shutil.rmtree(out, ignore_errors=True)
 
 
-FACTORY = sandbox_factory("local", limits=LocalLimits(memory_bytes=1 << 30))
+FACTORY = sandbox_factory("local", limits=LocalLimits(memory_bytes=1 << 30),
+                          read_only=(PYTEST_HOME,))
 
 
 def _grade(task, *edits, setup=None):

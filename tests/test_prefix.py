@@ -339,7 +339,8 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
                         max_context=2048, test_timeout_s=30.0, env_retries=0)
     engine = EmbeddedEngine(model, max_batch=8, max_len=2048, seed=0)
     factory = setup.sandbox_factory(type("E", (), {"backend": "local", "image": "",
-                                                   "local_allow_unisolated": False})())
+                                                   "local_allow_unisolated": False,
+                                                   "local_read_only": ()})())
     agent = Agent(engine, tokenizer, factory, cfg, max_concurrent_envs=4, tools_in_prompt=False)
 
     def algorithm(replay):

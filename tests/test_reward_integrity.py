@@ -55,11 +55,12 @@ SHADOW = ("import sys\n\nfor arg in sys.argv[1:]:\n    if not arg.startswith('-'
 PYTEST_IN_IMAGE = "/opt/pytest"
 
 
-def factory_for(request, backend: str, image: str | None = None):
+def factory_for(request, backend: str, image: str | None = None, read_only: tuple = ()):
+    """read_only: host paths a local sandbox sees besides the toolchain."""
     if backend == "docker":
         defaults = docker_defaults(request)
         return sandbox_factory("docker", **{**defaults, "image": image or defaults["image"]})
-    return sandbox_factory("local", limits=LocalLimits(memory_bytes=1 << 30))
+    return sandbox_factory("local", limits=LocalLimits(memory_bytes=1 << 30), read_only=read_only)
 
 
 def run_episode(factory, task: Task, commands: list[str], grading: str,
@@ -229,7 +230,7 @@ def pytest_setup(request, backend: str):
         return (factory_for(request, backend, request.getfixturevalue("pytest_image")),
                 f"export PYTHONPATH={PYTEST_IN_IMAGE}")
     directory = request.getfixturevalue("pytest_dir")
-    return factory_for(request, backend), f"export PYTHONPATH={directory}"
+    return factory_for(request, backend, read_only=(directory,)), f"export PYTHONPATH={directory}"
 
 
 def pytest_task(env_setup: str, **extra) -> Task:

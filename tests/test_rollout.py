@@ -62,7 +62,8 @@ def model(tokenizer):
 @pytest.fixture(scope="module")
 def factory():
     return setup.sandbox_factory(type("E", (), {"backend": "local", "image": "",
-                                                "local_allow_unisolated": False})())
+                                                "local_allow_unisolated": False,
+                                                   "local_read_only": ()})())
 
 
 def make_agent(model, tokenizer, factory, **cfg):

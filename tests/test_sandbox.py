@@ -25,7 +25,7 @@ import pytest
 from sandbox_backends import IMAGE, ROOT, ensure_image
 
 from env.episode import sandbox_factory
-from env.sandbox import SandboxError, fsread, make_sandbox
+from env.sandbox import SandboxError, cgroup, fsread, make_sandbox
 from env.sandbox.local import LocalLimits, LocalSandbox, reap_stale, uid_processes
 from env.sandbox.pool import POOL_LABEL, SandboxPool, make_pool
 
@@ -406,6 +406,54 @@ def test_local_scrubbed_environment(monkeypatch):
             assert sb.run("cat /root/.bashrc /etc/shadow").exit_code != 0
 
 
+def test_local_root_holds_only_the_sandbox_toolchain_and_read_only_paths(isolated, open_tmp):
+    """A link to any host path but the toolchain and `read_only` finds nothing: no host
+    accounts (/etc/passwd is the sandbox's own), no world-readable file elsewhere."""
+    secret, shared = open_tmp / "secret", open_tmp / "shared"
+    for directory, text in ((secret, "hunter2"), (shared, "visible")):
+        directory.mkdir()
+        (directory / "f.txt").write_text(text)
+        os.chmod(directory, 0o755)
+        os.chmod(directory / "f.txt", 0o644)
+    with open("/etc/passwd") as f:
+        host_users = {line.split(":")[0] for line in f if line.strip()}
+    assert host_users - {"root", "nobody"}, "the host has accounts besides root and nobody"
+    with make_sandbox("local", repo_files=FILES, read_only=[str(shared)]) as sb:
+        links = f"ln -s /etc/passwd p && ln -s {secret}/f.txt s && ln -s {shared}/f.txt v"
+        assert sb.run(links).exit_code == 0
+        users = {line.split(":")[0] for line in sb.read_file("p").splitlines()}
+        assert users == {"root", "sandbox", "nobody"}
+        assert sb.read_file("v") == "visible"
+        with pytest.raises(FileNotFoundError):
+            sb.read_file("s")
+        for command in (f"cat {secret}/f.txt", "cat s", "ls /root", "ls /home", "cat /etc/shadow",
+                        f"ls {ROOT}", "touch /tmp/x", f"touch {shared}/x"):
+            result = sb.run(command)
+            assert result.exit_code != 0 and "hunter2" not in result.output, command
+        assert sb.run("python3 -c 'import ssl, sqlite3' && git --version && awk 'BEGIN{}'"
+                      ).exit_code == 0
+        assert sb.run("whoami").output.strip() == "sandbox"
+    for bad in (["relative/dir"], ["/"], "/opt"):
+        with pytest.raises(ValueError, match="read_only"):
+            make_sandbox("local", repo_files=FILES, read_only=bad)
+
+
+def test_local_total_memory_bound_ends_a_command_not_the_sandbox(memory_cgroups):
+    """Three processes of 120 MiB each fit their own address-space limit but not the
+    sandbox's 300 MiB together: the kernel ends one; the sandbox goes on, and one
+    alone runs. Without the cgroup all three would run (sum 360 MiB)."""
+    hold = "python3 -c 'b = bytearray(120 << 20); import time; time.sleep(2); print(\"held\")'"
+    limits = LocalLimits(memory_bytes=1 << 30, total_memory_bytes=300 << 20)
+    with make_sandbox("local", repo_files=FILES, limits=limits) as sb:
+        group = sb._memory.path
+        result = sb.run(f"for i in 1 2 3; do {hold} & done; wait")
+        held = result.output.splitlines().count("held")
+        assert held < 3 and "Killed" in result.output, result.output
+        assert sb.oom_kills() >= 1
+        assert sb.run(hold).output.strip() == "held"
+    assert not os.path.exists(group)
+
+
 def test_local_from_repo_dir_at_base_commit(tmp_path):
     src = tmp_path / "src"
     with make_sandbox("local", repo_files=FILES) as first:
@@ -458,6 +506,8 @@ def test_local_reap_stale_removes_only_sandboxes_of_exited_owners(open_tmp):
         assert live.run("cat calc.py").output == FILES["calc.py"]
         if os.geteuid() == 0 and uid != "None":  # its orphaned `sleep 60` was killed
             assert uid_processes(int(uid)) == []
+        if cgroup.available():  # and its memory cgroup removed
+            assert not os.path.exists(os.path.join(cgroup.parent()[0], os.path.basename(dead_root)))
         assert reap_stale(str(tmp_path)) == []
     assert sorted(os.listdir(tmp_path)) == ["sandbox-foreign"]
 

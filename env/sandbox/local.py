@@ -3,16 +3,19 @@
 Layout of one sandbox: `<tmp>/sandbox-XXXX/{repo,home,tmp}`; `repo` is a git checkout
 whose base commit `patch()` diffs against.
 
-Isolation: every command runs under the sandbox's supervisor (supervise.py, one
-long-lived process per sandbox, forked with it; env.sandbox.supervisor talks to it),
-with the sandbox's own environment (PATH, HOME, TMPDIR, LANG: nothing of the trainer's)
-and rlimits (CPU seconds, address space, file size, processes). As root (required
-unless `allow_unisolated`), each command runs as a uid of its own, drawn at random from
-a range no account uses and owning the sandbox directory, in the supervisor's mount,
-PID and network namespaces: every host mount is read-only but the sandbox directory,
-/proc shows only the sandbox's processes (no trainer to read or signal), and the
-loopback is its own (no inference server to call). RLIMIT_NPROC is counted per uid and
-not enforced for root, so only a dedicated uid makes the process limit hold (a fork
+Isolation: every command runs under the sandbox's supervisor (supervise.py, one long-
+lived process per sandbox, forked with it; env.sandbox.supervisor talks to it), with the
+sandbox's own environment (PATH, HOME, TMPDIR, LANG: nothing of the trainer's) and
+rlimits (CPU seconds, address space, file size, processes). As root (required unless
+`allow_unisolated`), each command runs as a uid of its own, drawn at random from a range
+no account uses and owning the sandbox directory, in the supervisor's mount, PID and
+network namespaces, with a root of its own: the sandbox directory, the host's toolchain
+(/usr and the links into it, `supervisor.TOOLCHAIN`) and any `read_only` paths, a few
+names of /etc (no accounts: a passwd of its own), a few devices; a link to any other
+host path (`ln -s /etc/passwd`) finds nothing. Every mount but the sandbox directory is
+read-only; /proc shows only the sandbox's processes (no trainer to read or signal), and
+the loopback is its own (no inference server to call). RLIMIT_NPROC is counted per uid
+and not enforced for root, so only a dedicated uid makes the process limit hold (a fork
 bomb stays bounded) without touching other users' count. The sandbox directory is a
 tmpfs of `disk_bytes`, which bounds everything it holds. The command text reaches bash
 through a memfd (see supervise.py), so its length is not bounded by argv. Commands of
@@ -22,8 +25,14 @@ SandboxError for that command and every later one.
 Where isolation cannot be had (no root, no namespaces), the constructor raises
 IsolationUnavailable unless `allow_unisolated`: commands then run as the calling
 user, with RLIMIT_NPROC set to that user's current process count plus the limit, and
-can see and write what that user can. There is no total-memory bound either way (the
-address-space limit is per process); use the docker backend where that matters.
+can see and write what that user can.
+
+Memory: each process is bounded by its address space (`LocalLimits.memory_bytes`), and
+all of an isolated sandbox's processes together by a memory cgroup of
+`total_memory_bytes` (env.sandbox.cgroup; v2 or v1), where the host lets root make one.
+Where it does not (`cgroup.available()` is False: no writable cgroupfs, or a cgroup v2
+parent that does not delegate memory, as in many containers), there is no total bound:
+use the docker backend where that matters.
 
 After every command, processes it left in the background are killed: each call of
 `run` is self-contained, so an episode never leaks processes between steps.
@@ -51,6 +60,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shlex
@@ -60,11 +70,11 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
-from env.sandbox import base, fsread, shell
+from env.sandbox import base, cgroup, fsread, shell
 from env.sandbox.paths import repo_relative
-from env.sandbox.supervisor import Completed, Supervisor
+from env.sandbox.supervisor import TOOLCHAIN, Completed, RootView, Supervisor
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 GIT_IDENTITY = ["-c", "user.name=sandbox", "-c", "user.email=sandbox@localhost"]
@@ -77,6 +87,8 @@ UID_RANGE = (1_000_000_000, 1_500_000_000)
 PREFIX, OWNER_FILE = "sandbox-", ".owner"
 MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
 
+log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class LocalLimits:
@@ -86,6 +98,9 @@ class LocalLimits:
     memory_bytes: int | None = 2 << 30  # RLIMIT_AS of each process
     file_size_bytes: int | None = 256 << 20  # RLIMIT_FSIZE: largest file a command may write
     max_processes: int | None = 256  # RLIMIT_NPROC: live processes of the sandbox's uid
+    # All the sandbox's processes together (and the tmpfs pages they write): a memory
+    # cgroup (env.sandbox.cgroup) where the host allows one, else no bound.
+    total_memory_bytes: int | None = 4 << 30
 
     def rlimits(self) -> dict[str, int]:
         named = {
@@ -115,6 +130,8 @@ class LocalSandbox(base.Sandbox):
         isolated sandboxes only: the mount needs root).
       allow_unisolated: where isolation cannot be had (no root, no namespaces), run
         commands anyway, with the calling user's rights; otherwise IsolationUnavailable.
+      read_only: host paths an isolated command sees (read-only) besides the toolchain,
+        e.g. an environment that `env_setup` activates.
     """
 
     def __init__(
@@ -130,6 +147,7 @@ class LocalSandbox(base.Sandbox):
         env_setup: str = "",
         allow_unisolated: bool = False,
         disk_bytes: int | None = 1 << 30,
+        read_only: Sequence[str] = (),
     ):
         self.isolated = isolation_available()
         if not self.isolated and not allow_unisolated:
@@ -142,6 +160,7 @@ class LocalSandbox(base.Sandbox):
             raise ValueError("give exactly one of repo_files and repo_dir")
         if base_commit is not None and repo_dir is None:
             raise ValueError("base_commit needs repo_dir (repo_files start a new history)")
+        self.view = RootView(read_only=TOOLCHAIN + _extra_paths(read_only))
         self.limits = limits
         self.max_output_bytes = max_output_bytes
         self.max_patch_bytes = max_patch_bytes
@@ -155,6 +174,7 @@ class LocalSandbox(base.Sandbox):
         # a file is written: its patch is empty.
         self._pristine = False
         self._supervisor: Supervisor | None = None
+        self._memory: cgroup.MemoryGroup | None = None
         self._uid = secrets.randbelow(UID_RANGE[1] - UID_RANGE[0]) + UID_RANGE[0]
         if os.geteuid() != 0:
             self._uid = None
@@ -181,8 +201,12 @@ class LocalSandbox(base.Sandbox):
             if self._uid is not None:
                 self._check_traversable()
                 _chown_tree(self.root, self._uid)
+            if self.isolated and limits.total_memory_bytes:
+                self._memory = cgroup.MemoryGroup.create(os.path.basename(self.root),
+                                                         limits.total_memory_bytes)
             self._supervisor = Supervisor(self.repo, self._env, self._uid,
-                                          limits.rlimits(), self.root if self.isolated else None)
+                                          limits.rlimits(), self.root if self.isolated else None,
+                                          self.view, self._memory and self._memory.procs)
         except BaseException:
             self.close()
             raise
@@ -405,7 +429,13 @@ class LocalSandbox(base.Sandbox):
         ended = self._supervisor is None or (self._supervisor.stop() and self.isolated)
         if self._uid is not None and not ended:
             kill_uid_processes(self._uid)
+        if self._memory is not None and not self._memory.remove():
+            log.warning("memory cgroup %s still has processes; left in place", self._memory.path)
         _remove(self.root)
+
+    def oom_kills(self) -> int:
+        """Commands' processes the kernel killed for the sandbox's total memory bound."""
+        return self._memory.oom_kills() if self._memory is not None else 0
 
 
 def _mount_quota(path: str, size: int) -> None:
@@ -492,6 +522,20 @@ _BASE_REPOS = _BaseRepos(size=1024)
 
 class IsolationUnavailable(RuntimeError):
     """Commands could not be isolated here, and running them unisolated was not allowed."""
+
+
+def _extra_paths(paths: Sequence[str]) -> tuple[str, ...]:
+    """`read_only` paths, checked: absolute, normalised, and not / (all of the host)."""
+    if isinstance(paths, str):
+        raise ValueError(f"read_only must be a list of paths, got the string {paths!r}")
+    out = []
+    for path in paths:
+        if not isinstance(path, str) or not os.path.isabs(path):
+            raise ValueError(f"read_only paths must be absolute, got {path!r}")
+        if os.path.normpath(path) == "/":
+            raise ValueError("read_only cannot be / (that is the whole host)")
+        out.append(os.path.normpath(path))
+    return tuple(out)
 
 
 @functools.cache
@@ -584,6 +628,7 @@ def reap_stale(root_dir: str | None = None) -> list[str]:
             kill_uid_processes(uid)
         _remove(path)
         reaped.append(path)
+    cgroup.remove_stale({os.path.basename(p) for p in reaped})
     return reaped
 
 

@@ -25,9 +25,12 @@ answers "EXIT_CODE TIMED_OUT CLEAN\n". End of file on the control socket (the sa
 closed, or its owner died) ends the supervisor after the same clean-up.
 
 Isolated (`isolate` is the sandbox directory): the starting process enters new mount,
-PID and network namespaces; every mount is made read-only except a bind of the sandbox
-directory (and a small tmpfs on /dev/shm, fresh for every command), so no host path
-outside the sandbox is writable, whatever its permissions. Its child, the PID
+PID and network namespaces and a root of its own (`view`, _new_root): the sandbox
+directory and the host paths the view names (the toolchain), a few names of /etc, a
+passwd and group of its own, and a few devices; no other host path is there to read,
+through a link or otherwise. Every mount is read-only except the sandbox directory (and
+a small tmpfs on /dev/shm, fresh for every command), so no host path is writable,
+whatever its permissions. Its child, the PID
 namespace's init, is the server: it mounts the namespace's own /proc (commands see
 only the sandbox's processes, none of the trainer's) and brings up a loopback of its
 own. Every process in the namespace but the server is a command's, so after a command
@@ -44,15 +47,19 @@ The command's process drops to the sandbox's uid (when one is given) and lowers 
 rlimits before exec. Exit codes follow the shell: 128+N when the command died from
 signal N, -1 on timeout. SIGTERM/SIGINT end the server after the clean-up.
 
-Config keys (`config`): uid/gid (int | null: keep the caller's), rlimits ({"RLIMIT_CPU": n, ...};
-"RLIMIT_NPROC" counts on top of the uid's running processes when uid is null, since the
-count is per user), isolate (str | null). Request keys: argv (list[str]), script (str |
-null: when given, bash runs it instead of argv), timeout (s).
+Config keys (`config`): uid/gid (int | null: keep the caller's), rlimits ({"RLIMIT_CPU":
+n, ...}; "RLIMIT_NPROC" counts on top of the uid's running processes when uid is null,
+since the count is per user), isolate (str | null), view ({"read_only": [host paths],
+"etc": [name patterns of /etc], "passwd": text, "group": text}; with isolate), cgroup
+(str | null: the `cgroup.procs` file of a memory cgroup to join, env.sandbox.cgroup).
+Request keys: argv (list[str]), script (str | null: when given, bash runs it instead of argv),
+timeout (s).
 """
 
 import contextlib
 import ctypes
 import fcntl
+import fnmatch
 import json
 import os
 import resource
@@ -68,7 +75,13 @@ PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 KILL_ROUNDS = 2000
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
-MNT_DETACH = 2
+MNT_DETACH, MS_MOVE = 2, 8192
+# An isolated sandbox's root (_new_root): a tmpfs first mounted here, then moved onto /.
+NEW_ROOT, ROOT_OPTIONS = "/tmp", "size=4m,mode=755"
+OOM_SCORE_ADJ = 1000  # a command's: the first the OOM killer ends, in its cgroup or the host's
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+DEVICE_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+                "stderr": "/proc/self/fd/2"}
 SYS_MOUNT_SETATTR, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, 0x8000, 0x1
 SIOCSIFFLAGS, IFF_UP = 0x8914, 0x1
 SHM_OPTIONS = "size=64m,mode=1777"
@@ -105,15 +118,63 @@ def _set_readonly(path, readonly):
 # -- namespaces (isolated) ------------------------------------------------------------
 
 
-def _enter_namespaces(sandbox_dir):
-    """New mount, PID (for the children) and network namespaces; the mount tree read-only
-    but for the sandbox directory and a private /dev/shm."""
+def _enter_namespaces(sandbox_dir, view):
+    """New mount, PID (for the children) and network namespaces, and a root of `view`
+    (_new_root) read-only but for the sandbox directory and a private /dev/shm."""
     _check(_libc.unshare(CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET), "unshare")
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _mount(sandbox_dir, sandbox_dir, None, MS_BIND | MS_REC)
+    cwd = os.getcwd()
+    _new_root(sandbox_dir, view)
     _set_readonly("/", True)
     _set_readonly(sandbox_dir, False)
+    os.chdir(cwd)
     _fresh_shm()
+
+
+def _new_root(sandbox_dir, view):
+    """Makes the root a tmpfs that holds only the sandbox directory and `view`'s host
+    paths (binds at the same paths; a host link is made again as a link), the `view`'s
+    names of /etc, its own passwd and group, and a few devices: a link followed to any
+    other host path finds nothing. The tmpfs is mounted on NEW_ROOT (this namespace's
+    own mount: the host's is untouched), then moved onto / (as switch_root does).
+    Sources are opened first: NEW_ROOT may hold them (/tmp/sandbox-XXXX)."""
+    etc = [os.path.join("/etc", n) for n in sorted(os.listdir("/etc"))
+           if any(fnmatch.fnmatchcase(n, pattern) for pattern in view["etc"])]
+    devices = [os.path.join("/dev", n) for n in DEVICES]
+    sources = {}
+    for path in [*view["read_only"], *etc, *devices, sandbox_dir]:
+        if os.path.islink(path):
+            sources[path] = os.readlink(path)
+        elif os.path.exists(path):
+            sources[path] = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    _mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, ROOT_OPTIONS)
+    for name in ("proc", "tmp", "dev/shm", "etc"):
+        os.makedirs(NEW_ROOT + "/" + name, exist_ok=True)
+    for name, target in DEVICE_LINKS.items():
+        os.symlink(target, f"{NEW_ROOT}/dev/{name}")
+    for name in ("passwd", "group"):
+        with open(f"{NEW_ROOT}/etc/{name}", "w") as f:
+            f.write(view[name])
+    for path, source in sources.items():
+        _place(path, source)
+    os.chdir(NEW_ROOT)
+    _mount(NEW_ROOT, "/", None, MS_MOVE)
+    os.chroot(".")
+
+
+def _place(path, source):
+    """`path` in the new root: a link to `source` (a str), or a bind of the open file."""
+    target = NEW_ROOT + path
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    if isinstance(source, str):
+        os.symlink(source, target)
+        return
+    if os.path.isdir(f"/proc/self/fd/{source}"):
+        os.makedirs(target, exist_ok=True)
+    else:
+        open(target, "a").close()
+    _mount(f"/proc/self/fd/{source}", target, None, MS_BIND | MS_REC)
+    os.close(source)
 
 
 def _fresh_shm():
@@ -131,7 +192,6 @@ def _as_namespace_init():
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", IFF_UP))
-    os.chdir(os.getcwd())  # the working directory through the writable bind, not under it
 
 
 def _kill_namespace():
@@ -222,6 +282,13 @@ def _user_process_count(uid):
 # -- one command ----------------------------------------------------------------------
 
 
+def _join_cgroup(procs):
+    """Joins the sandbox's memory cgroup (env.sandbox.cgroup) before anything is forked,
+    so every command's process is in it."""
+    with open(procs, "w") as f:
+        f.write(str(os.getpid()))
+
+
 def _exec_child(cfg, request, fds):
     """In the forked child: the command's stdio, uid and rlimits, then exec."""
     try:
@@ -241,6 +308,9 @@ def _exec_child(cfg, request, fds):
             os.dup2(fd, 3)
             argv = ["bash", "-c", RUN_SCRIPT]
         os.closerange(4 if script is not None else 3, MAX_FDS)
+        # The OOM killer picks a command before its supervisor (raising needs no privilege).
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write(str(OOM_SCORE_ADJ))
         if cfg["uid"] is not None:
             os.setgroups([])
             os.setgid(cfg["gid"])
@@ -359,11 +429,13 @@ def _server(cfg, control):
 
 def _supervise(cfg, control):
     """A supervisor's life, in the process forked for it; returns its exit code."""
+    if cfg.get("cgroup"):
+        _join_cgroup(cfg["cgroup"])
     if not cfg["isolate"]:
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         _server(cfg, control)
         return 0
-    _enter_namespaces(cfg["isolate"])
+    _enter_namespaces(cfg["isolate"], cfg["view"])
     server = os.fork()
     if server == 0:
         try:

@@ -39,6 +39,37 @@ START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 5.0
 
 
+# The toolchain an isolated command sees of the host (read-only), beside its sandbox.
+TOOLCHAIN = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+# Names of /etc it sees (fnmatch patterns): the linker's, TLS roots, Debian's alternatives
+# (`awk` is a link through them), Python's and the shells' settings; no accounts.
+ETC = ("alternatives", "ssl", "ca-certificates*", "ld.so.*", "localtime", "timezone", "hosts",
+       "host.conf", "nsswitch.conf", "protocols", "services", "mime.types", "python3*",
+       "bash.bashrc", "inputrc", "profile", "gitconfig", "locale.alias", "debian_version",
+       "os-release")
+
+
+@dataclasses.dataclass(frozen=True)
+class RootView:
+    """What an isolated command's root holds besides its sandbox directory: the host
+    paths `read_only` (the toolchain and any extra ones, e.g. an environment under
+    /opt), the names of /etc matching `etc`, and accounts of its own (root, nobody and
+    `sandbox`, the command's uid, with the sandbox's home)."""
+
+    read_only: tuple[str, ...] = TOOLCHAIN
+    etc: tuple[str, ...] = ETC
+
+    def config(self, uid: int | None, home: str) -> dict:
+        """The supervisor's `view` config (supervise.py) for commands run as `uid`."""
+        own = [] if uid is None else [(f"sandbox:x:{uid}:{uid}::{home}:/bin/bash",
+                                       f"sandbox:x:{uid}:")]
+        passwd = ["root:x:0:0:root:/root:/bin/bash", *(p for p, _ in own),
+                  "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin"]
+        group = ["root:x:0:", *(g for _, g in own), "nogroup:x:65534:"]
+        return {"read_only": list(self.read_only), "etc": list(self.etc),
+                "passwd": "\n".join(passwd) + "\n", "group": "\n".join(group) + "\n"}
+
+
 @dataclasses.dataclass
 class Completed:
     exit_code: int
@@ -52,12 +83,17 @@ class Supervisor:
 
     cwd, env: the supervisor's (and so every command's) working directory and
     environment. uid: the uid commands run as (None: the caller's). rlimits: per-command
-    rlimits by name. isolate: the sandbox directory, to run in new namespaces (None: not).
+    rlimits by name. isolate: the sandbox directory, to run in new namespaces (None: not),
+    with a root that holds only it and `view` (see supervise.py). cgroup: the
+    `cgroup.procs` file of the memory cgroup the supervisor and its commands join.
     """
 
     def __init__(self, cwd: str, env: dict[str, str], uid: int | None,
-                 rlimits: dict[str, int], isolate: str | None):
-        config = {"uid": uid, "gid": uid, "rlimits": rlimits, "isolate": isolate}
+                 rlimits: dict[str, int], isolate: str | None, view: RootView | None = None,
+                 cgroup: str | None = None):
+        view = (view or RootView()).config(uid, env.get("HOME", "/"))
+        config = {"uid": uid, "gid": uid, "rlimits": rlimits, "isolate": isolate, "view": view,
+                  "cgroup": cgroup}
         ours, theirs = socket.socketpair()
         stderr_r, stderr_w = os.pipe()
         try:
