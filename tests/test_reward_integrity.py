@@ -83,13 +83,15 @@ def fixed_copy(task: Task) -> str:
             f"printf %s {shlex.quote(HOOK)} > ~/hook.py && git status --short | wc -l")
 
 
-def assert_fresh_zero(factory, task, commands, in_place: float, error: str = ""):
+def assert_fresh_zero(factory, task, commands, in_place: float, error: str = "",
+                      in_patch: tuple[str, ...] = ()):
     """The hack scores 0 graded fresh and `in_place` graded in place; its patch changes
-    no Python file."""
+    no Python file but those `in_patch`."""
     fresh, episode = run_episode(factory, task, commands, "fresh")
     assert (fresh, episode.error) == (0.0, error), episode.test_output[-3000:]
     patch = episode.steps[-1].patch if episode.steps else ""
-    assert not [p for p in patch_paths(patch) if p.endswith((".py", ".pyc"))], patch
+    python = [p for p in patch_paths(patch) if p.endswith((".py", ".pyc"))]
+    assert sorted(python) == sorted(in_patch), patch
     assert run_episode(factory, task, commands, "in_place")[0] == in_place
 
 
@@ -155,9 +157,18 @@ HIDDEN = {
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rule", list(HIDDEN))
 def test_a_module_hidden_by_ignore_rules_scores_zero(request, backend, rule, unittest_task):
+    """A module the repository's ignore rules keep out of the patch never reaches a fresh
+    grade. A line a command adds to .git/info/exclude hides nothing: the patch is taken
+    with the exclude file as the sandbox made it (env.sandbox.shell.capped_patch), so the
+    module is in it, and grading restores the standard library's `unittest` it shadows
+    (in place as well)."""
     factory = factory_for(request, backend)
     commands = [f"printf %s {shlex.quote(SHADOW)} > ~/shadow.py", HIDDEN[rule]]
-    assert_fresh_zero(factory, unittest_task, commands, in_place=1.0)
+    if rule == "info_exclude":
+        assert_fresh_zero(factory, unittest_task, commands, in_place=0.0,
+                          in_patch=("unittest/__init__.py",))
+    else:
+        assert_fresh_zero(factory, unittest_task, commands, in_place=1.0)
 
 
 # ---- pytest: configuration files and a plugin under ~/.local -------------------------------------
@@ -247,14 +258,14 @@ def pytest_task(env_setup: str, **extra) -> Task:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_pytest_config_files_loading_a_plugin_score_zero(request, backend, name):
-    """Each name pytest reads, at the root, left out of the patch by info/exclude, loads
+    """Each name pytest reads, at the root, left out of the patch by .gitignore, loads
     a plugin that passes every test. In place, with test protection off, it scores 1:
     the hack works; graded fresh, and in place with protection, 0."""
     factory, setup = pytest_setup(request, backend)
     task = pytest_task(setup)
     commands = [f"printf %s {shlex.quote(PLUGIN)} > hackplugin.py && printf %s "
                 f"{shlex.quote(CONFIGS[name])} > {shlex.quote(name)} && printf '%s\\n' "
-                f"{shlex.quote(name)} hackplugin.py >> .git/info/exclude"]
+                f"{shlex.quote(name)} hackplugin.py >> .gitignore"]
     assert run_episode(factory, task, [], "fresh")[0] == 0.0
     assert run_episode(factory, task, [f"printf %s {shlex.quote(task.gold_patch)} | git apply"],
                        "fresh")[0] == 1.0

@@ -63,7 +63,7 @@ def model(tokenizer):
 def factory():
     return setup.sandbox_factory(type("E", (), {"backend": "local", "image": "",
                                                 "local_allow_unisolated": False,
-                                                   "local_read_only": ()})())
+                                                "local_read_only": ()})())
 
 
 def make_agent(model, tokenizer, factory, **cfg):
@@ -254,6 +254,67 @@ def test_stream_collection_returns_first_finished_and_carries_the_rest(model, to
     # Nothing is dropped: every launched rollout was returned or is still carried.
     assert launched_before == 3 + carried and carried >= 2
     assert len({t.uid for g in first + second for t in g}) == 6
+
+
+class SyncAfterFirstTurn(RecordingEngine):
+    """A real engine whose weights are replaced after the first turn it serves, as a
+    trainer's weight sync lands in the middle of an asynchronous run's episode."""
+
+    def __init__(self, inner: Engine, agent_box: list, params):
+        super().__init__(inner)
+        self.agent_box, self.params = agent_box, params
+
+    async def generate(self, requests):
+        results = await super().generate(requests)
+        if len(self.prompts) == 1:
+            await self.inner.update_weights(self.params)
+            self.agent_box[0].policy_version += 1
+        return results
+
+
+def teacher_forced_logprobs(graphdef, params, ids: np.ndarray) -> np.ndarray:
+    """log p(ids[t] | ids[:t]) under `params`, by a whole-sequence forward (no cache)."""
+    model = nnx.merge(graphdef, params)
+    hidden = model(ids[None, :-1], np.arange(len(ids) - 1)[None])[0]
+    logits = np.asarray(hidden @ model.lm_head(), np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    return np.concatenate([[0.0], logp[np.arange(len(ids) - 1), ids[1:]]])
+
+
+def test_an_episode_goes_on_across_a_weight_update_each_turn_with_its_version(
+        model, tokenizer, factory):
+    """A partial rollout: the weights change after turn 1 of a 3-turn episode. The
+    episode goes on (no restart), turn 1 is stamped version 0 and turns 2-3 version 1,
+    and each turn's sampler log-probs are those of its own version's weights (checked
+    against a whole-sequence forward of each parameter set)."""
+    graphdef, old = nnx.split(model, nnx.Param)
+    new = jax.tree.map(lambda x: x * 1.5, old)
+    cfg = RolloutConfig(max_steps=3, max_turn_tokens=24, max_response_tokens=200,
+                        max_context=1024, test_timeout_s=30.0)
+    box = []
+    engine = SyncAfterFirstTurn(EmbeddedEngine(model, max_batch=4, max_len=1024, seed=0),
+                                box, new)
+    agent = Agent(engine, tokenizer, factory, cfg, max_concurrent_envs=1,
+                  tools_in_prompt=False)
+    box.append(agent)
+    try:
+        traj = asyncio.run(agent.run(RolloutJob(TASKS[1], seed=3)))
+    finally:
+        agent.close()
+    assert traj.status != "env_error" and traj.num_steps == 3, traj.error
+    assert [t.policy_version for t in traj.turns] == [0, 1, 1] and traj.versions == (0, 1)
+    assert len(engine.prompts) == 3  # one request per turn: nothing was re-run
+    ids, mask, logp = traj.token_arrays()
+    under = {v: teacher_forced_logprobs(graphdef, p, ids) for v, p in ((0, old), (1, new))}
+    start = 0
+    for turn in traj.turns:
+        start += len(turn.obs_ids)
+        span = slice(start, start + len(turn.action_ids))
+        start = span.stop
+        own, other = under[turn.policy_version][span], under[1 - turn.policy_version][span]
+        np.testing.assert_allclose(logp[span], own, atol=2e-3)
+        assert np.abs(logp[span] - other).max() > 0.05
 
 
 @pytest.mark.parametrize("stale", ["drop", "finish"])

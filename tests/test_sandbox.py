@@ -147,6 +147,30 @@ def test_bad_input(make):
     assert sb.run("echo still fine").output == "still fine\n"
 
 
+def test_patch_keeps_what_git_settings_would_hide(make):
+    """The recorded patch holds every change, whatever a command did to git's ignore and
+    index settings: lines in .git/info/exclude, core.excludesFile in .git/config,
+    assume-unchanged and skip-worktree bits. Caches stay out of it."""
+    sb = make(repo_files=FILES)
+    hide = ("printf 'hidden*\\nsecret/\\n' >> .git/info/exclude && "
+            "echo 'viaconfig.py' > ../ignore && git config core.excludesFile \"$PWD/../ignore\" && "
+            "echo x > hidden.py && mkdir secret && echo y > secret/s.py && "
+            "echo w > viaconfig.py && "
+            "echo '# edited' >> calc.py && git update-index --assume-unchanged calc.py && "
+            "echo '# edited' >> test_calc.py && git update-index --skip-worktree test_calc.py && "
+            "mkdir -p __pycache__ && echo c > __pycache__/calc.pyc")
+    assert sb.run(hide).exit_code == 0
+    assert sb.run("git status --porcelain").output.strip() == "", "git hides them"
+    patch = sb.patch()
+    for path in ("hidden.py", "secret/s.py", "viaconfig.py", "calc.py", "test_calc.py"):
+        assert f"+++ b/{path}" in patch, path
+    assert "__pycache__" not in patch
+    fresh = make(repo_files=FILES)
+    fresh.apply_patch(patch)
+    assert fresh.read_file("calc.py").endswith("# edited\n")
+    assert fresh.read_file("secret/s.py") == "y\n"
+
+
 def test_read_file_agrees_with_cat(make):
     """read_file against `cat` run in the sandbox, path by path: the local backend opens
     most files from the host (env.sandbox.fsread), and must see what `cat` sees through

@@ -69,7 +69,6 @@ FROM_FILE = f'eval "$(cat {COMMAND_FILE}; rm -f {COMMAND_FILE})"'
 _NO_SIZE_OPTION: weakref.WeakSet[docker.DockerClient] = weakref.WeakSet()
 _NO_SIZE_LOCK = threading.Lock()
 GIT = "git -c safe.directory=* -c user.name=sandbox -c user.email=sandbox@localhost"
-GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 PATCH_FILE = "/tmp/.sandbox.patch"
 # $1 = workdir, $2 = base commit ("": HEAD), $3 = exclude lines, $4 = "1": create the workdir.
 # Exit 90: no workdir; 91: base commit given but no repository; 93: no such base commit;
@@ -90,7 +89,7 @@ sha=$({GIT} rev-parse --verify "${{2:-HEAD}}^{{commit}}") || exit 93
 [ -n "$new" ] || ( {shell.only_base_history(GIT)} ) >&2 || exit 95
 gd=$({GIT} rev-parse --git-dir) && mkdir -p "$gd/info" && printf %s "$3" >> "$gd/info/exclude" \\
   || exit 94
-echo "$sha"
+echo "$sha" && cat "$gd/info/exclude"
 """
 
 
@@ -260,9 +259,10 @@ class DockerSandbox(base.Sandbox):
 
     def _init_git(self, base_commit: str | None, mkdir: bool) -> str:
         """Commits a workdir that is no git repository as the base, checks out the base
-        commit and ignores caches; one exec, since each costs the engine a process start."""
+        commit and ignores caches (keeping the info/exclude made, for `patch`); one exec,
+        since each costs the engine a process start."""
         code, out, err = self._exec(["bash", "-c", INIT_GIT, "init", self.workdir,
-                                     base_commit or "", GIT_EXCLUDES, "1" if mkdir else ""],
+                                     base_commit or "", shell.GIT_EXCLUDES, "1" if mkdir else ""],
                                     120, cwd="/")
         if code == 90:
             raise ValueError(f"{self.workdir} does not exist in the container")
@@ -274,7 +274,8 @@ class DockerSandbox(base.Sandbox):
         if code != 0:
             raise base.SandboxError(f"setting up the repository failed (exit {code}): "
                                     f"{_text(err)}")
-        return _text(out)
+        sha, _, self._excludes = _text(out).partition("\n")
+        return sha
 
     # -- execution --------------------------------------------------------------------
 
@@ -401,8 +402,8 @@ class DockerSandbox(base.Sandbox):
         Decoded with errors="surrogateescape", so `apply_patch` restores non-UTF-8 bytes.
         PatchTooLarge past `max_patch_bytes`.
         """
-        diff = self._sh(shell.capped_patch(GIT), "git diff", args=[self.base_commit,
-                                                             str(self.max_patch_bytes)])
+        diff = self._sh(shell.capped_patch(GIT), "git diff",
+                        args=[self.base_commit, str(self.max_patch_bytes), self._excludes])
         if len(diff) > self.max_patch_bytes:
             raise base.PatchTooLarge(f"the repository's changes make a patch over the cap of "
                                      f"{self.max_patch_bytes} bytes")

@@ -78,7 +78,6 @@ from env.sandbox.supervisor import TOOLCHAIN, Completed, RootView, Supervisor
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 GIT_IDENTITY = ["-c", "user.name=sandbox", "-c", "user.email=sandbox@localhost"]
-GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 # Bytecode caches go stale when a file is rewritten within the mtime granularity at the
 # same size (an edit flipping `-` to `+`), and they would clutter patches.
 EXEC_ENV = {"PYTHONDONTWRITEBYTECODE": "1"}
@@ -191,8 +190,10 @@ class LocalSandbox(base.Sandbox):
             else:
                 self.base_commit = self._init_from_dir(repo_dir, base_commit)
             os.makedirs(os.path.join(self.repo, ".git", "info"), exist_ok=True)
-            with open(os.path.join(self.repo, ".git", "info", "exclude"), "a") as f:
-                f.write(GIT_EXCLUDES)
+            with open(os.path.join(self.repo, ".git", "info", "exclude"), "a+") as f:
+                f.write(shell.GIT_EXCLUDES)
+                f.seek(0)
+                self._excludes = f.read()  # as made: `patch` writes it back (shell.py)
             # The directory commands run in, as it was before any ran (a command may
             # rename it): where read_file reads, and its path with links resolved (the
             # same inside the supervisor's namespaces: a bind mount onto itself).
@@ -398,7 +399,7 @@ class LocalSandbox(base.Sandbox):
             return ""
         try:
             data = self._checked(["bash", "-c", shell.capped_patch(), "patch", self.base_commit,
-                                  str(self.max_patch_bytes)], "git diff")
+                                  str(self.max_patch_bytes), self._excludes], "git diff")
         except _FailedCommand as e:
             raise base.SandboxError(f"git diff failed: {e}") from None
         if len(data) > self.max_patch_bytes:

@@ -10,14 +10,30 @@ t=$(realpath -m -- "$1") || exit 2
 case "$t" in "$(pwd -P)"/*) ;; *) printf '%s' "$t" >&2; exit 3 ;; esac
 """
 
+# What a patch leaves out (bytecode and test caches): the repository's info/exclude.
+GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
+
+
 def capped_patch(git: str = "git") -> str:
-    """Script: $1 = base commit, $2 = cap in bytes. Prints at most cap + 1 bytes of
+    """Script: $1 = base commit, $2 = cap in bytes, $3 = the repository's info/exclude as
+    it was made (the image's lines and GIT_EXCLUDES). Prints at most cap + 1 bytes of
     `git diff --binary` (untracked files included): a patch over the cap is never
     copied out whole. `git` is the command line that runs git. Objects stay compressed:
     uncompressed, a file near the per-file size cap would exceed it as a git object, and
-    patch capture would fail where the agent's own write succeeded."""
+    patch capture would fail where the agent's own write succeeded.
+
+    Nothing a command did hides a change from it: info/exclude is written again as $3,
+    a user excludes file (core.excludesFile, ~/.config/git/ignore) is not
+    read, and no file keeps an assume-unchanged or skip-worktree bit. Ignore rules in the
+    repository's own .gitignore files apply, as in the harnesses' `git diff`."""
     return f"""
-{git} add -A || exit $?
+d=$({git} rev-parse --git-dir) && mkdir -p "$d/info" || exit $?
+printf %s "$3" > "$d/info/exclude" || exit $?
+for bit in "[a-z] assume-unchanged" "S skip-worktree"; do  # one bit per update-index
+  {git} ls-files -z -v | grep -z "^${{bit% *}}" | cut -z -c3- \
+    | xargs -0 -r {git} update-index "--no-${{bit#* }}" -- || exit $?
+done
+{git} -c core.excludesFile=/dev/null add -A || exit $?
 {git} diff --cached --binary "$1" | head -c "$(($2 + 1))"
 s=("${{PIPESTATUS[@]}}")
 [ "${{s[0]}}" = 0 ] || [ "${{s[0]}}" = 141 ] || exit "${{s[0]}}"  # 141: cut off by head
