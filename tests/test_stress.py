@@ -42,7 +42,7 @@ from sandbox_backends import BACKENDS, docker_defaults
 
 from env.episode import Episode, sandbox_spec
 from env.miniswe import generate_tasks
-from env.sandbox.local import LocalLimits
+from env.sandbox.local import LocalLimits, LocalSandbox
 from env.sandbox.pool import POOL_LABEL, make_pool
 
 N_EPISODES = 120
@@ -182,6 +182,8 @@ def test_stress_random_kills_leave_nothing_behind(backend, request):
     plans = make_plans(backend, rng)
     tasks = generate_tasks(N_EPISODES, seed=SEED, difficulties=(0,))
     victim = f"sleep {secrets.randbelow(10**6) + 10**6}.5"  # no other process runs this
+    if backend == "local":  # this process's fork server, which lives as long as it, first
+        LocalSandbox(repo_files={"a.py": ""}).close()
     children_before = descendants(proc_table())
     client, root_dir = None, None
     if backend == "docker":
