@@ -17,30 +17,63 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
 import os
 import sys
-import time
+from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
 from configs import common
-from env import latency
+from env import latency, splits
+from env import sandbox as sandboxes_lib
 from env.tasks import Task
+from inference import build as engines
 from inference import sglang
-from models import sharding
-from rl import algos, distributed, learner, setup, sft
+from models import loading, sharding
+from rl import algos, distributed, learner, loss, prefix, sft
+from rl.algos import grpo_ps
+from rl.algos import spo as spo_algo
 from rl.batch import pack_trajectories
 from rl.checkpoint import Checkpointer
-from rl.metrics import MetricWriter
+from rl.metrics import (
+    MetricWriter,
+    console_line,
+    histograms,
+    lag_metrics,
+    progress,
+    rollout_metrics,
+    timed,
+)
 from rl.reference import Reference
 from rl.rollout import Agent, RolloutConfig, RolloutJob
 
 log = logging.getLogger("train")
+# Keyed by the program and the compiler's options, so a cached program is the one a
+# fresh compile would give.
+COMPILATION_CACHE = "~/.cache/prefix-spo-rl/xla"
+
+
+def compilation_cache(path: str) -> None:
+    """Keeps compiled XLA programs in `path` for later runs ('' keeps none)."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def check_config(config) -> None:
+    """Every numeric key's range (configs.common.check_values), the algorithm's needs,
+    then combinations that no single section can check; each error names the keys."""
+    common.check_values(config)
+    algos.check_config(config)
+    common.check_lengths(config)
+    loss.check_config(config.learner.loss)
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="configs/default.py", help="path.py[:arg]")
@@ -57,12 +90,12 @@ def main(argv=None) -> None:
                    help="override a config key, e.g. --set learner.optim.lr=1e-4 (repeatable; "
                         "values are Python literals, else strings)")
     p.add_argument("--compilation_cache", metavar="DIR",
-                   default=os.environ.get("JAX_COMPILATION_CACHE_DIR", setup.COMPILATION_CACHE),
+                   default=os.environ.get("JAX_COMPILATION_CACHE_DIR", COMPILATION_CACHE),
                    help="XLA programs compiled once are kept here for later runs (on a "
                         "rerun the default's first rollout phase takes 14 s instead of 39 s); "
                         "'' turns it off")
     args = p.parse_args(argv)
-    setup.compilation_cache(args.compilation_cache)
+    compilation_cache(args.compilation_cache)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S",
                         force=True)
     logging.getLogger("absl").setLevel(logging.WARNING)  # Orbax's per-save chatter
@@ -73,10 +106,10 @@ def main(argv=None) -> None:
     # Launched SGLang servers own their GPUs; the learner's JAX devices are the rest.
     sglang.restrict_learner_devices(config)
     distributed.initialize(config.distributed)  # before anything touches a device
-    setup.check_config(config)
+    check_config(config)
     distributed.check_supported(config)
     if args.dry_run:
-        print(json.dumps({**setup.dry_run(config), "layout": distributed.layout(config.mesh)},
+        print(json.dumps({**dry_run(config), "layout": distributed.layout(config.mesh)},
                          indent=1))
         return
     workdir = os.path.abspath(args.workdir)
@@ -96,6 +129,36 @@ def main(argv=None) -> None:
         sys.exit(1)
 
 
+def dry_run(config) -> dict[str, Any]:
+    """Builds everything that needs no remote service or weights: the model's abstract
+    parameters and optimizer state, the mesh plan, Prefix Sampling / SPO state, the
+    rollout budgets and (for SGLang) the server command line. Returns a summary."""
+    check_config(config)
+    cfg = loading.model_config(config.model, config.tokenizer.get("bpe_vocab_size", None),
+                               dry_run=True)
+    if config.engine.kind == "sglang":
+        sglang.check_context(config, cfg)  # before the slow part: refused up front
+    _, state = learner.abstract_train_state(loading.abstract_model(cfg), config.learner)
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+    opt_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                    for x in jax.tree.leaves(state.opt_state))
+    RolloutConfig(**config.rollout)
+    prefix.AdaptiveController.from_config(grpo_ps.prefix_config(config.ps))
+    spo_algo.tracker_from_config(config.spo)
+    summary = {"model": dataclasses.asdict(cfg), "params": n_params,
+               "optimizer_state_bytes": opt_bytes, "mesh": dict(config.mesh),
+               "algo": config.algo, "batch_tasks": config.batch_tasks,
+               "group_size": config.group_size, "prefix_sampling": bool(config.ps.enabled),
+               "engine": config.engine.kind, "env_backend": config.env.backend}
+    if config.engine.kind == "sglang":
+        summary["placement"] = sglang.placement(config)
+        summary["sglang_commands"] = [" ".join(c) for c in sglang.launch_commands(config)]
+    images = splits.task_images(config.env)
+    if images:
+        summary["task_images"] = images
+    return summary
+
+
 async def run(config, workdir: str, eval_only: bool = False, eval_out: str | None = None) -> None:
     """Everything after the config, on one event loop (engine batching, sandbox slots
     and in-flight rollouts all live on it). eval_only: evaluate the latest checkpoint
@@ -106,15 +169,15 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
         log.info("layout: %s", json.dumps(distributed.layout(config.mesh)))
 
     # ------------------------------------------------------------------ tasks
-    train_tasks, eval_tasks = setup.tasks(config.env)
+    train_tasks, eval_tasks = splits.splits(config.env)
     log.info("tasks: %d train, %d held-out eval", len(train_tasks), len(eval_tasks))
 
     # ------------------------------------------------------------------ tokenizer
-    tokenizer = setup.tokenizer(config, workdir, train_tasks)
+    tokenizer = sft.build_tokenizer(config, workdir, train_tasks)
 
     # ------------------------------------------------------------------ model
-    model_cfg = setup.model_config(config.model, tokenizer.vocab_size)
-    model = setup.model(config.model, model_cfg, mesh, seed=config.seed)
+    model_cfg = loading.model_config(config.model, tokenizer.vocab_size)
+    model = loading.build_model(config.model, model_cfg, mesh, seed=config.seed)
     graphdef, state = learner.init_train_state(model, config.learner, mesh)
     del model
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
@@ -128,12 +191,13 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
                                row_multiple=row_multiple, pad_id=tokenizer.pad_id)
 
     # ------------------------------------------------------------------ engine
-    engine = setup.engine(config, graphdef, state.params, workdir, model_cfg)
+    engine = engines.from_config(
+        config, lambda: (graphdef, distributed.local_params(state.params)), workdir, model_cfg)
 
     # ------------------------------------------------------------------ environment
-    sandbox_factory = setup.sandbox_factory(config.env)
+    sandboxes = sandboxes_lib.from_config(config.env)
     rollout_cfg = RolloutConfig(**config.rollout)
-    agent = Agent(engine, tokenizer, sandbox_factory, rollout_cfg,
+    agent = Agent(engine, tokenizer, sandboxes, rollout_cfg,
                   max_concurrent_envs=config.env.max_concurrent,
                   tools_in_prompt=config.env.tools_in_prompt,
                   latency=latency.from_config(config.env.latency, config.seed))
@@ -181,7 +245,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
     # e.g. a warm start cut short) are written again below.
     writer = MetricWriter(workdir, resume_step=first_step if resumed else -1)
     if not resumed and config.sft.steps:
-        state = await warm_start(config, agent, train_tasks, graphdef, state, mesh, writer)
+        state = await sft.warm_start(config, agent, train_tasks, graphdef, state, mesh, writer)
         await sync_weights(state.params)
         save(0, state)
     reference = kl_reference(config, workdir, resumed, ckpt, graphdef, state, mesh,
@@ -205,39 +269,38 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             await evaluate(config, agent, eval_tasks, writer, 0, workdir)
             writer.mark(0)  # eval_0.json exists: a resume from step 0 keeps its row
         if not algo.started:
-            t0 = time.perf_counter()
-            with setup.progress(0, "offline start") as bar:
-                start_metrics = await algo.start(bar.update)
-            start_metrics["time/start_s"] = time.perf_counter() - t0
+            start_metrics: dict[str, float] = {}
+            with timed(start_metrics, "time/start_s"), progress(0, "offline start") as bar:
+                start_metrics.update(await algo.start(bar.update))
             writer.write_scalars(first_step, start_metrics)
             log.info("offline start: %s", json.dumps(start_metrics))
         for step in range(first_step + 1, config.total_steps + 1):
-            t_step, idle0 = time.perf_counter(), agent.activity.idle_s()
-            # -- collect
-            t0 = time.perf_counter()
-            with setup.progress(algo.rollouts_per_step, f"step {step} rollouts") as bar:
-                groups = await algo.collect(step, bar.update)
-            trajs = [t for g in groups for t in g]
-            # Versions each trajectory lags the policy the learner now updates.
-            lags = np.array([agent.policy_version - t.versions[0] for t in trajs], np.float64)
-            metrics = {"time/rollout_s": time.perf_counter() - t0,
-                       **setup.rollout_metrics(trajs, groups), **setup.lag_metrics(lags),
-                       **getattr(sandbox_factory, "metrics", dict)()}  # a fleet's engines
-            # -- advantages, learner, the algorithm's bookkeeping under the new policy
-            kept, advs, algo_metrics = algo.advantages(step, groups)
-            metrics.update(algo_metrics, **{"train/trajectories": len(kept)})
-            t0 = time.perf_counter()
-            if kept:
-                state, learner_metrics = await asyncio.to_thread(learn, state, kept, advs)
-                metrics.update(learner_metrics)
-                metrics.update(await algo.after_update(step, state.params))
-            metrics["time/learner_s"] = time.perf_counter() - t0
-            # -- weight sync
-            t0 = time.perf_counter()
-            await sync_weights(state.params)
-            metrics["time/sync_s"] = time.perf_counter() - t0
-            metrics.update(engine.update_stats())  # export and reload times, sizes, counts
-            metrics["time/step_s"] = time.perf_counter() - t_step
+            metrics: dict[str, float] = {}
+            idle0 = agent.activity.idle_s()
+            with timed(metrics, "time/step_s"):
+                # -- collect
+                with timed(metrics, "time/rollout_s"), \
+                        progress(algo.rollouts_per_step, f"step {step} rollouts") as bar:
+                    groups = await algo.collect(step, bar.update)
+                trajs = [t for g in groups for t in g]
+                # Versions each trajectory lags the policy the learner now updates.
+                lags = np.array([agent.policy_version - t.versions[0] for t in trajs],
+                                np.float64)
+                metrics.update(**rollout_metrics(trajs, groups), **lag_metrics(lags),
+                               **sandboxes.metrics())  # a fleet's engines
+                # -- advantages, learner, the algorithm's bookkeeping under the new policy
+                kept, advs, algo_metrics = algo.advantages(step, groups)
+                metrics.update(algo_metrics, **{"train/trajectories": len(kept)})
+                with timed(metrics, "time/learner_s"):
+                    if kept:
+                        state, learner_metrics = await asyncio.to_thread(learn, state, kept,
+                                                                         advs)
+                        metrics.update(learner_metrics)
+                        metrics.update(await algo.after_update(step, state.params))
+                # -- weight sync
+                with timed(metrics, "time/sync_s"):
+                    await sync_weights(state.params)
+                metrics.update(engine.update_stats())  # export and reload times, sizes, counts
             # The learner waits out the collection; the engine waits on tools and learner.
             metrics["time/inference_idle_s"] = agent.activity.idle_s() - idle0
             # Per second of the phase that generated the tokens: the rollout phase, or
@@ -249,7 +312,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
             if step % config.eval_every == 0 or step == config.total_steps:
                 metrics.update(await evaluate(config, agent, eval_tasks, None, step, workdir))
             writer.write_scalars(step, metrics)
-            writer.write_histograms(step, {**setup.histograms(groups),
+            writer.write_histograms(step, {**histograms(groups),
                                            **({"async/lag": lags} if lags.size else {})})
             # Which rollouts this step consumed (task:seed), for auditing a resumed run.
             writer.write_texts(step, {"rollout/consumed": " ".join(
@@ -258,7 +321,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
                 writer.write_texts(step, {"rollout/sample": tokenizer.decode(
                     trajs[0].token_arrays()[0])})
             if distributed.is_primary():
-                print(setup.console_line(step, metrics), flush=True)
+                print(console_line(step, metrics), flush=True)
             if step % config.ckpt_every == 0 or step == config.total_steps:
                 save(step, state)
         return state
@@ -306,7 +369,7 @@ async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter
     processes, each runs its share of the tasks and process 0 writes the whole."""
     eval_agent = agent.with_sampling(temperature=config.eval_temperature, logprobs=False)
     jobs = [RolloutJob(t, seed=i) for i, t in enumerate(tasks)]
-    with setup.progress(len(jobs), f"eval @ {step}") as bar:
+    with progress(len(jobs), f"eval @ {step}") as bar:
         groups = await distributed.collect_groups(eval_agent, jobs, 1, bar.update)
     scored = [g[0].reward for g in groups if not g[0].is_env_error]
     out = {"eval/pass_rate": float(np.mean(scored)) if scored else float("nan"),
@@ -355,36 +418,6 @@ async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh,
     await distributed.sync_weights(engine, state.params, config.engine.kind == "sglang")
     await evaluate(config, agent, tasks, None, step, workdir,
                    path or os.path.join(workdir, f"eval_only_{step}_{len(tasks)}tasks.json"))
-
-
-async def warm_start(config, agent: Agent, train_tasks, graphdef, state, mesh,
-                     writer: MetricWriter):
-    """SFT on scripted expert demonstrations, some imperfect, then a fresh RL optimizer."""
-    t0 = time.perf_counter()
-    demos = await setup.demonstrations(config, agent, train_tasks)
-    log.info("SFT on %d demonstrations (%d correct, %d tokens; rendered in %.0fs)", len(demos),
-             sum(d.reward == 1 for d in demos), sum(len(d.token_arrays()[0]) for d in demos),
-             time.perf_counter() - t0)
-    t0 = time.perf_counter()
-    epochs = max(1, round(config.sft.steps * config.sft.batch_size / len(demos)))
-    total = epochs * -(-len(demos) // config.sft.batch_size)
-    sft_cfg = setup.sft_learner_config(config, total)
-    _, sft_state = learner.init_train_state(nnx.merge(graphdef, state.params), sft_cfg, mesh)
-    with setup.progress(total, "SFT") as bar:
-        def on_metrics(step, m):
-            bar.update(1)
-            if step % 10 == 0:
-                writer.write_scalars(step, {f"sft/{k}": v for k, v in m.items()})
-            if step % 25 == 0:
-                log.info("SFT step %d: loss %.3f", step, m["loss"])
-        sft_state = await asyncio.to_thread(
-            sft.train_sft, sft_state, graphdef, demos, sft_cfg,
-            buckets=config.learner.row_buckets, batch_size=config.sft.batch_size,
-            epochs=epochs, mesh=mesh, on_metrics=on_metrics)
-    log.info("SFT: %d steps in %.0fs", total, time.perf_counter() - t0)
-    _, state = learner.init_train_state(nnx.merge(graphdef, sft_state.params), config.learner,
-                                        mesh)
-    return state
 
 
 if __name__ == "__main__":

@@ -467,6 +467,17 @@ def check_values(config: ConfigDict) -> None:
                          f"{config.sft.num_demos}")
 
 
+def check_lengths(config: ConfigDict) -> None:
+    """A rollout's longest context fits the embedded engine's slots and the learner's
+    longest row."""
+    if config.engine.kind == "embedded" and config.engine.max_len < config.rollout.max_context:
+        raise ValueError(f"engine.max_len ({config.engine.max_len}) must be >= "
+                         f"rollout.max_context ({config.rollout.max_context})")
+    if max(config.learner.row_buckets) < config.rollout.max_context:
+        raise ValueError(f"the longest learner.row_buckets ({max(config.learner.row_buckets)}) "
+                         f"must hold rollout.max_context ({config.rollout.max_context})")
+
+
 def _check_order(config: ConfigDict, low_key: str, high_key: str) -> None:
     low, high = (_get(config, k) for k in (low_key, high_key))
     if low > high:

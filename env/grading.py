@@ -10,7 +10,7 @@ One path for every task (SWE-bench, R2E-Gym, mini-SWE, native rows):
    (`task.test_infra`), and modules named like a standard-library module outside any
    package (a `unittest.py` in the repository root shadows the real one).
 2. Run `task.test_command` (the sandbox runs `task.env_setup` before it, as before the
-   agent's commands: env.episode.sandbox_spec), and read the log with the task's
+   agent's commands: env.sandbox.sandbox_spec), and read the log with the task's
    parser (`PARSERS`): test name -> PASSED / FAILED / ERROR / SKIPPED / XFAIL.
 3. Grade: R2E-Gym rows (`expected_output`) must reproduce `expected_output_json`
    exactly; others pass when no FAIL_TO_PASS or PASS_TO_PASS test is FAILED, ERROR or

@@ -46,6 +46,7 @@ from typing import Any
 from env import episode as episode_lib
 from env.grading import GRADINGS, GradeCache
 from env.latency import LatencyModel
+from env.sandbox import SandboxFactory
 from env.sandbox.base import SandboxError
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
@@ -150,9 +151,6 @@ def decode_jobs(state: Mapping[str, Any], task_by_id: Mapping[str, Any]) -> list
                                             state["replay"], state["has_prefix"], strict=True)]
 
 
-SandboxFactory = Callable[[Task], object]
-
-
 class Activity:
     """Wall time during which no request of this process waited on the engine: the
     inference engine idle, as the rollouts see it (waiting on tools, on the learner, or
@@ -195,10 +193,11 @@ class Agent:
         # scratch on these tasks can do without them and save the context.
         self.tools = TOOL_SCHEMAS if tools_in_prompt else None
         # Every sandbox comes from the pool: bounded, tracked, and closed on exit, on
-        # exceptions and on SIGTERM. A factory with a `close` (a Docker fleet) is closed
-        # with it. Sandbox calls run in the pool's threads (they block on subprocesses).
+        # exceptions and on SIGTERM; the factory (a Docker fleet's probes and containers)
+        # is closed with it. Sandbox calls run in the pool's threads (they block on
+        # subprocesses).
         self.pool = SandboxPool(sandbox_factory, max_concurrent_envs,
-                                on_close=getattr(sandbox_factory, "close", None))
+                                on_close=sandbox_factory.close)
         self.stop_ids = sorted({tokenizer.special_ids[TOOL_CALL_END], tokenizer.eos_id,
                                 tokenizer.pad_id})
         self.grades = GradeCache()  # shared with the agents of with_sampling

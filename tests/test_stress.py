@@ -40,8 +40,9 @@ import time
 import pytest
 from sandbox_backends import BACKENDS, docker_defaults
 
-from env.episode import Episode, sandbox_spec
+from env.episode import Episode
 from env.miniswe import generate_tasks
+from env.sandbox import sandbox_spec
 from env.sandbox.local import LocalLimits
 from env.sandbox.pool import POOL_LABEL, make_pool
 

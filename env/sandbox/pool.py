@@ -32,8 +32,9 @@ import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
-from env.sandbox import make_sandbox
 from env.sandbox.base import Sandbox, SandboxError
+from env.sandbox.docker import remove_containers
+from env.sandbox.factory import SandboxFactory
 
 POOL_LABEL = "swe-rl.pool"
 
@@ -196,23 +197,22 @@ class SandboxPool:
 
 def make_pool(backend: str, max_concurrent: int, *, retries: int = 3, backoff_s: float = 0.5,
               **defaults: Any) -> SandboxPool:
-    """A pool of `make_sandbox(backend, **defaults, **spec)`; `spec` is a kwargs mapping.
+    """A pool of `SandboxFactory(backend, **defaults)(spec)`; `spec` is a kwargs mapping.
 
     Docker sandboxes get the pool's label, and closing the pool removes any container
     carrying it.
     """
     holder: dict[str, SandboxPool] = {}
+    sandboxes = SandboxFactory(backend, **defaults)
 
     def factory(spec: Mapping[str, Any] | None) -> Sandbox:
-        kwargs = {**defaults, **(spec or {})}
+        spec = dict(spec or {})
         if backend == "docker":
-            kwargs["labels"] = {**kwargs.get("labels", {}), **holder["pool"].labels}
-        return make_sandbox(backend, **kwargs)
+            spec["labels"] = {**{**defaults, **spec}.get("labels", {}), **holder["pool"].labels}
+        return sandboxes(spec)
 
     on_close = None
     if backend == "docker":
-        from env.sandbox.docker import remove_containers
-
         def on_close():
             remove_containers(holder["pool"].labels, defaults.get("client"))
 

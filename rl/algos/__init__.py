@@ -7,12 +7,21 @@ from rl.algos.spo import SPO
 ALGORITHMS: dict[str, type[Algorithm]] = {"grpo": GRPOPrefix, "spo": SPO}
 
 
+def get(name: str) -> type[Algorithm]:
+    """The algorithm class `config.algo` names."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"algo must be 'grpo' or 'spo', got {name!r}")
+    return ALGORITHMS[name]
+
+
+def check_config(config) -> None:
+    """`config.algo` names an algorithm and the config suits it."""
+    get(config.algo).check_config(config)
+
+
 def build(ctx: Context) -> Algorithm:
     """The algorithm `ctx.config.algo` names."""
-    name = ctx.config.algo
-    if name not in ALGORITHMS:
-        raise ValueError(f"algo must be one of {sorted(ALGORITHMS)}, got {name!r}")
-    return ALGORITHMS[name](ctx)
+    return get(ctx.config.algo)(ctx)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "Context", "build"]
+__all__ = ["ALGORITHMS", "Algorithm", "Context", "build", "check_config", "get"]

@@ -48,6 +48,12 @@ def job_seed(step: int, index: int) -> int:
 class GRPOPrefix(Algorithm):
     """GRPO + Prefix Sampling; host state: data loader, prefix queue and controller, rng."""
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        adv_lib.get(config.advantage)
+        if config.group_size < 2:
+            raise ValueError(f"algo='grpo' needs group_size >= 2, got {config.group_size}")
+
     def __init__(self, ctx: Context):
         c = ctx.config
         self.agent, self.group_size, self.batch_tasks = ctx.agent, c.group_size, c.batch_tasks

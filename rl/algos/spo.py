@@ -46,6 +46,14 @@ class SPO(Algorithm):
 
     stream = True
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.ps.enabled:
+            raise ValueError("ps.enabled needs algo='grpo' (Prefix Sampling classifies groups)")
+        if config.spo.in_flight < config.batch_tasks:
+            raise ValueError(f"spo.in_flight ({config.spo.in_flight}) must be >= batch_tasks "
+                             f"({config.batch_tasks})")
+
     def __init__(self, ctx: Context):
         c = ctx.config
         self.cfg, self.agent, self.score = c.spo, ctx.agent, ctx.score
