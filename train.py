@@ -36,9 +36,7 @@ from env.tasks import Task
 from inference import build as engines
 from inference import sglang
 from models import loading, sharding
-from rl import algos, distributed, learner, loss, prefix, sft
-from rl.algos import grpo_ps
-from rl.algos import spo as spo_algo
+from rl import algos, distributed, learner, loss, sft
 from rl.batch import pack_trajectories
 from rl.checkpoint import Checkpointer
 from rl.metrics import (
@@ -143,8 +141,7 @@ def dry_run(config) -> dict[str, Any]:
     opt_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
                     for x in jax.tree.leaves(state.opt_state))
     RolloutConfig(**config.rollout)
-    prefix.AdaptiveController.from_config(grpo_ps.prefix_config(config.ps))
-    spo_algo.tracker_from_config(config.spo)
+    algos.check_sections(config)
     summary = {"model": dataclasses.asdict(cfg), "params": n_params,
                "optimizer_state_bytes": opt_bytes, "mesh": dict(config.mesh),
                "algo": config.algo, "batch_tasks": config.batch_tasks,

@@ -58,7 +58,7 @@ from flax import nnx
 
 from inference.engine import Engine, EngineError, GenerateRequest, GenerateResult
 from inference.sampling import sample_tokens
-from models import qwen3
+from models import hf_io, qwen3
 
 
 def bucket(n: int, cap: int, minimum: int = 1, step: int = 0) -> int:
@@ -522,8 +522,6 @@ class EmbeddedEngine(Engine):
         Requests generating now go on with the new weights (their results report the
         version they started under); parked prefixes are dropped."""
         if isinstance(params_or_path, str | os.PathLike):
-            from models import hf_io
-
             _, model = hf_io.load_hf(os.fspath(params_or_path), dtype=self.cfg.dtype,
                                      param_dtype=self.cfg.param_dtype)
             params = _split(model)[1]

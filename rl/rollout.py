@@ -46,8 +46,7 @@ from typing import Any
 from env import episode as episode_lib
 from env.grading import GRADINGS, GradeCache
 from env.latency import LatencyModel
-from env.sandbox import SandboxFactory
-from env.sandbox.base import SandboxError
+from env.sandbox import SandboxError, SandboxFactory
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
 from env.tools import TOOL_SCHEMAS

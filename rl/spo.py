@@ -55,6 +55,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from env.tasks import decode_line
+
 
 def rho_from_drift(D, d_half: float = 0.06, rho_min: float = 0.875,
                    rho_max: float = 0.96) -> np.ndarray:
@@ -129,8 +131,6 @@ def load_offline_values(path: str) -> tuple[list[str], np.ndarray, np.ndarray]:
     prompt: {"task_id": non-empty str, "successes": int, "n": int} with 0 <= successes
     <= n and 1 <= n <= MAX_OFFLINE_N, counts written as JSON integers (not 1.7, "3",
     true or 1e30). OfflineValuesError names the file, line and field."""
-    from env.tasks import decode_line
-
     ids, succ, n, lines = [], [], [], {}
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):

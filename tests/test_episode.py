@@ -11,7 +11,8 @@ import pytest
 from sandbox_backends import BACKENDS, backend_factory, docker_defaults, tree_hashes
 
 from env.episode import Episode, restore, same_observation
-from env.grading import GradeCache, grade, parse_r2e, r2e_outcome_matches
+from env.grading import GradeCache, grade, r2e_outcome_matches
+from env.logparsers import parse_r2e
 from env.miniswe import expert_demo, generate_tasks
 from env.sandbox import SandboxFactory
 from env.tasks import Task

@@ -16,7 +16,8 @@ import pytest
 from sandbox_backends import BACKENDS, backend_factory
 
 from bench.miniswe import sweep
-from env.grading import grade, parse_unittest
+from env.grading import grade
+from env.logparsers import parse_unittest
 from env.miniswe import TEST_RUN, expert_demo, generate_tasks
 from env.sandbox import SandboxFactory
 from env.tools import parse_tool_call

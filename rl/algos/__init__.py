@@ -1,8 +1,9 @@
 """Training algorithms behind one interface (rl.algos.base.Algorithm), by `config.algo`."""
 
+from rl import prefix
 from rl.algos.base import Algorithm, Context
-from rl.algos.grpo_ps import GRPOPrefix
-from rl.algos.spo import SPO
+from rl.algos.grpo_ps import GRPOPrefix, prefix_config
+from rl.algos.spo import SPO, tracker_from_config
 
 ALGORITHMS: dict[str, type[Algorithm]] = {"grpo": GRPOPrefix, "spo": SPO}
 
@@ -19,9 +20,16 @@ def check_config(config) -> None:
     get(config.algo).check_config(config)
 
 
+def check_sections(config) -> None:
+    """Builds what the algorithms build from their sections (Prefix Sampling's controller,
+    SPO's tracker) whichever `algo` runs: a dry run checks every section."""
+    prefix.AdaptiveController.from_config(prefix_config(config.ps))
+    tracker_from_config(config.spo)
+
+
 def build(ctx: Context) -> Algorithm:
     """The algorithm `ctx.config.algo` names."""
     return get(ctx.config.algo)(ctx)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "Context", "build", "check_config", "get"]
+__all__ = ["ALGORITHMS", "Algorithm", "Context", "build", "check_config", "check_sections", "get"]
