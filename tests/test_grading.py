@@ -38,12 +38,9 @@ from env.grading import (
     error_kind,
     grade,
     merge_test_sections,
-    parse_django,
-    parse_pytest,
-    parse_sympy,
-    parse_unittest,
     restore_plan,
 )
+from env.logparsers import parse_django, parse_pytest, parse_sympy, parse_unittest
 from env.miniswe import generate_tasks, unified_diff
 from env.sandbox import SandboxFactory
 from env.sandbox.local import LocalLimits
