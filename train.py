@@ -4,10 +4,11 @@
     python train.py --config configs/default.py:smoke --workdir /tmp/smoke
     python train.py --config configs/ps_qwen3_14b_swe.py --workdir gs://... --dry_run
 
-Reads top to bottom: config -> mesh -> tasks -> tokenizer -> model -> learner ->
-engine -> environment -> algorithm (rl.algos) -> resume or SFT warm start -> KL
-reference -> loop {collect, advantages, batch, train_step, the algorithm's
-bookkeeping, weight sync, eval, metrics, checkpoint}. Rerunning the same command
+Reads top to bottom: config -> mesh -> tasks -> tokenizer -> model -> engine ->
+environment -> learner and algorithm (rl.algos), held by a `Run` whose methods are the
+phases -> resume or SFT warm start -> KL reference -> loop {collect, advantages,
+batch, train_step, the algorithm's bookkeeping, weight sync, eval, metrics,
+checkpoint}. Rerunning the same command
 resumes from the workdir. On a pod every host runs the same command, one JAX process
 each (started from `config.distributed`); rl.distributed says how rollouts, host
 state, evals, checkpoints and weight sync are shared between them.
@@ -179,13 +180,6 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
     del model
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     log.info("model: %s, %.2fM parameters", model_cfg, n_params / 1e6)
-    train_step = learner.make_train_step(graphdef, config.learner, mesh)
-    compute_logprobs = learner.make_compute_logprobs(graphdef, config.learner, mesh)
-    row_multiple = learner.row_multiple(config.learner, mesh)
-    pack = functools.partial(pack_trajectories, buckets=config.learner.row_buckets,
-                             row_multiple=row_multiple, pad_id=tokenizer.pad_id)
-    score = learner.make_score(compute_logprobs, buckets=config.learner.row_buckets,
-                               row_multiple=row_multiple, pad_id=tokenizer.pad_id)
 
     # ------------------------------------------------------------------ engine
     engine = engines.from_config(
@@ -193,228 +187,274 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
 
     # ------------------------------------------------------------------ environment
     sandboxes = sandboxes_lib.from_config(config.env)
-    rollout_cfg = RolloutConfig(**config.rollout)
-    agent = Agent(engine, tokenizer, sandboxes, rollout_cfg,
+    agent = Agent(engine, tokenizer, sandboxes, RolloutConfig(**config.rollout),
                   max_concurrent_envs=config.env.max_concurrent,
                   tools_in_prompt=config.env.tools_in_prompt,
                   latency=latency.from_config(config.env.latency, config.seed))
 
-    # ------------------------------------------------------------------ algorithm
-    algo = algos.build(algos.Context(config, agent, train_tasks, score))
-
-    # ------------------------------------------------------------------ resume or warm start
-    ckpt = Checkpointer(workdir, keep=config.ckpt_keep)
-
-    async def sync_weights(params) -> None:
-        """Loads `params` into the engine: one policy version more (the engine counts its
-        updates alike; turns and trajectories carry the versions that sampled them)."""
-        await distributed.sync_weights(engine, params, config.engine.kind == "sglang")
-        agent.policy_version += 1
-
-    def save(step: int, state) -> None:
-        """Checkpoint `step` (every process calls it); the host state, replicated on
-        every process, is checked identical first and written once."""
-        host = {"step": step, **algo.state_dict()}
-        log.info("host state at step %d: %s", step,
-                 distributed.check_consistent(host, f"step {step}"))
-        ckpt.save(step, state, host)
-        writer.mark(step)  # a resume from `step` keeps exactly the metrics written so far
+    # ------------------------------------------------------------------ learner, algorithm
+    r = Run(config, workdir, mesh, graphdef, agent, sandboxes, eval_tasks,
+            Checkpointer(workdir, keep=config.ckpt_keep))
+    r.algo = algos.build(algos.Context(config, agent, train_tasks, r.score))
 
     if eval_only:
         try:
-            await evaluate_checkpoint(config, ckpt, graphdef, state, mesh, engine, agent,
-                                      eval_tasks, workdir, eval_out)
+            await r.evaluate_checkpoint(state, eval_out)
         finally:
-            ckpt.close()
+            r.ckpt.close()
             engine.close()
         return
-    first_step = 0
-    resumed = ckpt.latest_step() is not None
-    if resumed:
-        _, state, host = restore(config, ckpt, None, graphdef, state, mesh)
-        first_step = int(host["step"])
-        algo.load_state_dict(host)
-        log.info("resumed from %s at step %d (host state %s)", ckpt.directory, first_step,
-                 distributed.check_consistent({"step": first_step, **algo.state_dict()},
-                                              f"resume at step {first_step}"))
-        await sync_weights(state.params)
-    # Metric rows a killed run wrote after its last checkpoint (all of them without one,
-    # e.g. a warm start cut short) are written again below.
-    writer = MetricWriter(workdir, resume_step=first_step if resumed else -1)
-    if not resumed and config.sft.steps:
-        state = await sft.warm_start(config, agent, train_tasks, graphdef, state, mesh, writer)
-        await sync_weights(state.params)
-        save(0, state)
-    reference = kl_reference(config, workdir, resumed, ckpt, graphdef, state, mesh,
-                             compute_logprobs)
-
-    def learn(state, kept, advs):
-        """One learner update on the kept trajectories; (state, metrics)."""
-        batch, info = pack(kept, advs)
-        ref_params = None
-        if reference is not None:
-            batch, ref_params = reference.train_inputs(batch)
-        state, step_metrics = train_step(state, batch, ref_params)
-        metrics = {f"learner/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
-        return state, {**metrics, **info.stats()}
-
-    # ------------------------------------------------------------------ train loop
-    async def rl_loop(state):
-        if first_step == 0 and not (resumed and os.path.exists(os.path.join(workdir,
-                                                                            "eval_0.json"))):
-            # (A workdir seeded with a shared warm start already holds its step-0 eval.)
-            await evaluate(config, agent, eval_tasks, writer, 0, workdir)
-            writer.mark(0)  # eval_0.json exists: a resume from step 0 keeps its row
-        if not algo.started:
-            start_metrics: dict[str, float] = {}
-            with timed(start_metrics, "time/start_s"), progress(0, "offline start") as bar:
-                start_metrics.update(await algo.start(bar.update))
-            writer.write_scalars(first_step, start_metrics)
-            log.info("offline start: %s", json.dumps(start_metrics))
-        for step in range(first_step + 1, config.total_steps + 1):
-            metrics: dict[str, float] = {}
-            idle0 = agent.activity.idle_s()
-            with timed(metrics, "time/step_s"):
-                # -- collect
-                with timed(metrics, "time/rollout_s"), \
-                        progress(algo.rollouts_per_step, f"step {step} rollouts") as bar:
-                    groups = await algo.collect(step, bar.update)
-                trajs = [t for g in groups for t in g]
-                # Versions each trajectory lags the policy the learner now updates.
-                lags = np.array([agent.policy_version - t.versions[0] for t in trajs],
-                                np.float64)
-                metrics.update(**rollout_metrics(trajs, groups), **lag_metrics(lags),
-                               **sandboxes.metrics())  # a fleet's engines
-                # -- advantages, learner, the algorithm's bookkeeping under the new policy
-                kept, advs, algo_metrics = algo.advantages(step, groups)
-                metrics.update(algo_metrics, **{"train/trajectories": len(kept)})
-                with timed(metrics, "time/learner_s"):
-                    if kept:
-                        state, learner_metrics = await asyncio.to_thread(learn, state, kept,
-                                                                         advs)
-                        metrics.update(learner_metrics)
-                        metrics.update(await algo.after_update(step, state.params))
-                # -- weight sync
-                with timed(metrics, "time/sync_s"):
-                    await sync_weights(state.params)
-                metrics.update(engine.update_stats())  # export and reload times, sizes, counts
-            # The learner waits out the collection; the engine waits on tools and learner.
-            metrics["time/inference_idle_s"] = agent.activity.idle_s() - idle0
-            # Per second of the phase that generated the tokens: the rollout phase, or
-            # the whole step when generation overlaps the learner (a stream).
-            gen_s = metrics["time/step_s"] if algo.stream else metrics["time/rollout_s"]
-            metrics["rollout/generated_tokens_per_s"] = sum(
-                t.num_generated_tokens for t in trajs) / max(gen_s, 1e-9)
-            # -- eval, metrics, checkpoint
-            if step % config.eval_every == 0 or step == config.total_steps:
-                metrics.update(await evaluate(config, agent, eval_tasks, None, step, workdir))
-            writer.write_scalars(step, metrics)
-            writer.write_histograms(step, {**histograms(groups),
-                                           **({"async/lag": lags} if lags.size else {})})
-            # Which rollouts this step consumed (task:seed), for auditing a resumed run.
-            writer.write_texts(step, {"rollout/consumed": " ".join(
-                f"{t.task_id}:{t.seed}" for t in trajs)})
-            if step % config.log_texts_every == 0 and trajs:
-                writer.write_texts(step, {"rollout/sample": tokenizer.decode(
-                    trajs[0].token_arrays()[0])})
-            if distributed.is_primary():
-                print(console_line(step, metrics), flush=True)
-            if step % config.ckpt_every == 0 or step == config.total_steps:
-                save(step, state)
-        return state
-
     try:
-        state = await rl_loop(state)
+        state, first_step = await r.resume_or_warm_start(state, train_tasks)
+        await r.loop(state, first_step)
     finally:
-        await algo.close()
-        ckpt.wait()
-        ckpt.close()
-        writer.close()
+        await r.algo.close()
+        r.ckpt.wait()
+        r.ckpt.close()
+        r.writer.close()
         engine.close()
 
 
-def kl_reference(config, workdir: str, resumed: bool, ckpt: Checkpointer, graphdef, state,
-                 mesh, compute_logprobs) -> Reference | None:
-    """The KL anchor when learner.loss.kl is on: the policy a fresh run starts from,
-    saved in workdir/reference; a resumed run loads it from there (a workdir seeded
-    with a warm-start checkpoint only takes that step-0 checkpoint's parameters)."""
-    kl = config.learner.loss.kl
-    if kl == "none":
-        return None
-    path = os.path.join(workdir, "reference")
-    if resumed and os.path.exists(path):
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params)
-        return Reference(Reference.load_params(path, abstract), kl, compute_logprobs, mesh)
-    if resumed:
-        if 0 not in ckpt.all_steps():
-            raise FileNotFoundError(f"learner.loss.kl={kl!r}: no reference policy in {path} "
-                                    "and no step-0 checkpoint to take it from")
-        state = restore(config, ckpt, 0, graphdef, state, mesh)[1]
-        log.info("KL reference: the step-0 checkpoint's parameters")
-    reference = Reference(state.params, kl, compute_logprobs, mesh)
-    reference.save(path)
-    return reference
+class Run:
+    """What the phases of a run share, built once by `run`: the learner's jitted
+    functions, the agent and its engine, the algorithm, checkpoints and metrics. Its
+    methods are the phases: resume or warm start, the KL reference, the RL steps,
+    evaluation, checkpoints."""
 
+    def __init__(self, config, workdir: str, mesh, graphdef, agent: Agent, sandboxes,
+                 eval_tasks: list[Task], ckpt: Checkpointer):  # (8 parameters: its parts)
+        self.config, self.workdir, self.mesh, self.graphdef = config, workdir, mesh, graphdef
+        self.agent, self.engine, self.sandboxes = agent, agent.engine, sandboxes
+        self.eval_tasks, self.ckpt = eval_tasks, ckpt
+        buckets, pad_id = config.learner.row_buckets, agent.tokenizer.pad_id
+        row_multiple = learner.row_multiple(config.learner, mesh)
+        self.train_step = learner.make_train_step(graphdef, config.learner, mesh)
+        self.compute_logprobs = learner.make_compute_logprobs(graphdef, config.learner, mesh)
+        self.pack = functools.partial(pack_trajectories, buckets=buckets,
+                                      row_multiple=row_multiple, pad_id=pad_id)
+        self.score = learner.make_score(self.compute_logprobs, buckets=buckets,
+                                        row_multiple=row_multiple, pad_id=pad_id)
+        self.algo: algos.Algorithm | None = None
+        self.writer: MetricWriter | None = None
+        self.reference: Reference | None = None
+        self.resumed = False
 
-async def evaluate(config, agent: Agent, tasks: list[Task], writer: MetricWriter | None,
-                   step: int, workdir: str, path: str | None = None) -> dict[str, float]:
-    """Held-out pass rate: one rollout per task at the eval temperature, saved with each
-    task's reward at `path` (default workdir/eval_{step}.json), and every episode's
-    decoded conversation beside it (`..._transcripts.jsonl`). Written by `writer` if
-    given (else the caller writes the returned scalars with its own). Over several
-    processes, each runs its share of the tasks and process 0 writes the whole."""
-    eval_agent = agent.with_sampling(temperature=config.eval_temperature, logprobs=False)
-    jobs = [RolloutJob(t, seed=i) for i, t in enumerate(tasks)]
-    with progress(len(jobs), f"eval @ {step}") as bar:
-        groups = await distributed.collect_groups(eval_agent, jobs, 1, bar.update)
-    scored = [g[0].reward for g in groups if not g[0].is_env_error]
-    out = {"eval/pass_rate": float(np.mean(scored)) if scored else float("nan"),
-           "eval/env_errors": float(len(groups) - len(scored))}
-    if writer is not None:
-        writer.write_scalars(step, out)
-    if not distributed.is_primary():
+    # ------------------------------------------------------------------ weights, checkpoints
+
+    async def sync_weights(self, params) -> None:
+        """Loads `params` into the engine: one policy version more (the engine counts its
+        updates alike; turns and trajectories carry the versions that sampled them)."""
+        await distributed.sync_weights(self.engine, params,
+                                       self.config.engine.kind == "sglang")
+        self.agent.policy_version += 1
+
+    def save(self, step: int, state) -> None:
+        """Checkpoint `step` (every process calls it); the host state, replicated on
+        every process, is checked identical first and written once."""
+        host = {"step": step, **self.algo.state_dict()}
+        log.info("host state at step %d: %s", step,
+                 distributed.check_consistent(host, f"step {step}"))
+        self.ckpt.save(step, state, host)
+        self.writer.mark(step)  # a resume from `step` keeps exactly the metrics written so far
+
+    def restore(self, step: int | None, state, set_aside: bool = True):
+        """(step, train state, host state) of checkpoint `step`, laid out like `state`;
+        step None: the latest that reads back (a damaged newer step is skipped with a
+        warning, and moved aside unless `set_aside` is False)."""
+        _, abstract = learner.abstract_train_state(nnx.merge(self.graphdef, state.params),
+                                                   self.config.learner, self.mesh)
+        if step is None:
+            return self.ckpt.restore_latest(abstract, set_aside)
+        return (step, *self.ckpt.restore(step, abstract))
+
+    # ------------------------------------------------------------------ resume or warm start
+
+    async def resume_or_warm_start(self, state, train_tasks) -> tuple[Any, int]:
+        """(train state, last step done): the workdir's latest checkpoint, or the SFT
+        warm start (checkpointed as step 0) when sft.steps is set; opens the metric
+        writer and the KL reference."""
+        first_step = 0
+        resumed = self.ckpt.latest_step() is not None
+        if resumed:
+            _, state, host = self.restore(None, state)
+            first_step = int(host["step"])
+            self.algo.load_state_dict(host)
+            log.info("resumed from %s at step %d (host state %s)", self.ckpt.directory,
+                     first_step, distributed.check_consistent(
+                         {"step": first_step, **self.algo.state_dict()},
+                         f"resume at step {first_step}"))
+            await self.sync_weights(state.params)
+        # Metric rows a killed run wrote after its last checkpoint (all of them without
+        # one, e.g. a warm start cut short) are written again below.
+        self.writer = MetricWriter(self.workdir, resume_step=first_step if resumed else -1)
+        if not resumed and self.config.sft.steps:
+            state = await sft.warm_start(self.config, self.agent, train_tasks, self.graphdef,
+                                         state, self.mesh, self.writer)
+            await self.sync_weights(state.params)
+            self.save(0, state)
+        self.reference = self.kl_reference(resumed, state)
+        self.resumed = resumed
+        return state, first_step
+
+    def kl_reference(self, resumed: bool, state) -> Reference | None:
+        """The KL anchor when learner.loss.kl is on: the policy a fresh run starts from,
+        saved in workdir/reference; a resumed run loads it from there (a workdir seeded
+        with a warm-start checkpoint only takes that step-0 checkpoint's parameters)."""
+        kl = self.config.learner.loss.kl
+        if kl == "none":
+            return None
+        path = os.path.join(self.workdir, "reference")
+        if resumed and os.path.exists(path):
+            abstract = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                state.params)
+            return Reference(Reference.load_params(path, abstract), kl, self.compute_logprobs,
+                             self.mesh)
+        if resumed:
+            if 0 not in self.ckpt.all_steps():
+                raise FileNotFoundError(f"learner.loss.kl={kl!r}: no reference policy in "
+                                        f"{path} and no step-0 checkpoint to take it from")
+            state = self.restore(0, state)[1]
+            log.info("KL reference: the step-0 checkpoint's parameters")
+        reference = Reference(state.params, kl, self.compute_logprobs, self.mesh)
+        reference.save(path)
+        return reference
+
+    # ------------------------------------------------------------------ train loop
+
+    async def loop(self, state, first_step: int):
+        """The step-0 eval, the algorithm's start, then the RL steps to total_steps."""
+        config, writer = self.config, self.writer
+        if first_step == 0 and not (self.resumed and os.path.exists(
+                os.path.join(self.workdir, "eval_0.json"))):
+            # (A workdir seeded with a shared warm start already holds its step-0 eval.)
+            await self.evaluate(0, writer)
+            writer.mark(0)  # eval_0.json exists: a resume from step 0 keeps its row
+        if not self.algo.started:
+            start_metrics: dict[str, float] = {}
+            with timed(start_metrics, "time/start_s"), progress(0, "offline start") as bar:
+                start_metrics.update(await self.algo.start(bar.update))
+            writer.write_scalars(first_step, start_metrics)
+            log.info("offline start: %s", json.dumps(start_metrics))
+        for step in range(first_step + 1, config.total_steps + 1):
+            state, groups, lags, metrics = await self.step(step, state)
+            if step % config.eval_every == 0 or step == config.total_steps:
+                metrics.update(await self.evaluate(step))
+            self.report(step, groups, lags, metrics)
+            if step % config.ckpt_every == 0 or step == config.total_steps:
+                self.save(step, state)
+        return state
+
+    async def step(self, step: int, state):
+        """One RL step: collect, advantages, learner update, the algorithm's bookkeeping
+        under the new policy, weight sync; (state, groups, lags, metrics)."""
+        algo, agent = self.algo, self.agent
+        metrics: dict[str, float] = {}
+        idle0 = agent.activity.idle_s()
+        with timed(metrics, "time/step_s"):
+            with timed(metrics, "time/rollout_s"), \
+                    progress(algo.rollouts_per_step, f"step {step} rollouts") as bar:
+                groups = await algo.collect(step, bar.update)
+            trajs = [t for g in groups for t in g]
+            # Versions each trajectory lags the policy the learner now updates.
+            lags = np.array([agent.policy_version - t.versions[0] for t in trajs], np.float64)
+            metrics.update(**rollout_metrics(trajs, groups), **lag_metrics(lags),
+                           **self.sandboxes.metrics())  # a fleet's engines
+            kept, advs, algo_metrics = algo.advantages(step, groups)
+            metrics.update(algo_metrics, **{"train/trajectories": len(kept)})
+            with timed(metrics, "time/learner_s"):
+                if kept:
+                    state, learner_metrics = await asyncio.to_thread(self.learn, state, kept,
+                                                                     advs)
+                    metrics.update(learner_metrics)
+                    metrics.update(await algo.after_update(step, state.params))
+            with timed(metrics, "time/sync_s"):
+                await self.sync_weights(state.params)
+            metrics.update(self.engine.update_stats())  # export and reload times, sizes
+        # The learner waits out the collection; the engine waits on tools and learner.
+        metrics["time/inference_idle_s"] = agent.activity.idle_s() - idle0
+        # Per second of the phase that generated the tokens: the rollout phase, or the
+        # whole step when generation overlaps the learner (a stream).
+        gen_s = metrics["time/step_s"] if algo.stream else metrics["time/rollout_s"]
+        metrics["rollout/generated_tokens_per_s"] = sum(
+            t.num_generated_tokens for t in trajs) / max(gen_s, 1e-9)
+        return state, groups, lags, metrics
+
+    def learn(self, state, kept, advs):
+        """One learner update on the kept trajectories; (state, metrics)."""
+        batch, info = self.pack(kept, advs)
+        ref_params = None
+        if self.reference is not None:
+            batch, ref_params = self.reference.train_inputs(batch)
+        state, step_metrics = self.train_step(state, batch, ref_params)
+        metrics = {f"learner/{k}": float(v) for k, v in jax.device_get(step_metrics).items()}
+        return state, {**metrics, **info.stats()}
+
+    def report(self, step: int, groups, lags: np.ndarray, metrics: dict[str, float]) -> None:
+        """The step's scalars, histograms and texts, and its console line."""
+        writer, trajs = self.writer, [t for g in groups for t in g]
+        writer.write_scalars(step, metrics)
+        writer.write_histograms(step, {**histograms(groups),
+                                       **({"async/lag": lags} if lags.size else {})})
+        # Which rollouts this step consumed (task:seed), for auditing a resumed run.
+        writer.write_texts(step, {"rollout/consumed": " ".join(
+            f"{t.task_id}:{t.seed}" for t in trajs)})
+        if step % self.config.log_texts_every == 0 and trajs:
+            writer.write_texts(step, {"rollout/sample": self.agent.tokenizer.decode(
+                trajs[0].token_arrays()[0])})
+        if distributed.is_primary():
+            print(console_line(step, metrics), flush=True)
+
+    # ------------------------------------------------------------------ evaluation
+
+    async def evaluate(self, step: int, writer: MetricWriter | None = None,
+                       path: str | None = None) -> dict[str, float]:
+        """Held-out pass rate: one rollout per task at the eval temperature, saved with
+        each task's reward at `path` (default workdir/eval_{step}.json), and every
+        episode's decoded conversation beside it (`..._transcripts.jsonl`). Written by
+        `writer` if given (else the caller writes the returned scalars with its own).
+        Over several processes, each runs its share of the tasks and process 0 writes
+        the whole."""
+        eval_agent = self.agent.with_sampling(temperature=self.config.eval_temperature,
+                                              logprobs=False)
+        jobs = [RolloutJob(t, seed=i) for i, t in enumerate(self.eval_tasks)]
+        with progress(len(jobs), f"eval @ {step}") as bar:
+            groups = await distributed.collect_groups(eval_agent, jobs, 1, bar.update)
+        scored = [g[0].reward for g in groups if not g[0].is_env_error]
+        out = {"eval/pass_rate": float(np.mean(scored)) if scored else float("nan"),
+               "eval/env_errors": float(len(groups) - len(scored))}
+        if writer is not None:
+            writer.write_scalars(step, out)
+        if not distributed.is_primary():
+            return out
+        path = path or os.path.join(self.workdir, f"eval_{step}.json")
+        with open(path, "w") as f:
+            json.dump({"step": step, **out,
+                       "rewards": {g[0].task_id: g[0].reward for g in groups}}, f)
+        with open(path.removesuffix(".json") + "_transcripts.jsonl", "w") as f:
+            for (traj,) in groups:
+                f.write(json.dumps({"task_id": traj.task_id, "reward": traj.reward,
+                                    "status": traj.status, "error": traj.error,
+                                    "text": self.agent.tokenizer.decode(
+                                        traj.token_arrays()[0])}) + "\n")
+        log.info("eval @ step %d: pass rate %.3f over %d tasks", step, out["eval/pass_rate"],
+                 len(scored))
         return out
-    path = path or os.path.join(workdir, f"eval_{step}.json")
-    with open(path, "w") as f:
-        json.dump({"step": step, **out, "rewards": {g[0].task_id: g[0].reward for g in groups}},
-                  f)
-    with open(path.removesuffix(".json") + "_transcripts.jsonl", "w") as f:
-        for (traj,) in groups:
-            f.write(json.dumps({"task_id": traj.task_id, "reward": traj.reward,
-                                "status": traj.status, "error": traj.error,
-                                "text": agent.tokenizer.decode(traj.token_arrays()[0])}) + "\n")
-    log.info("eval @ step %d: pass rate %.3f over %d tasks", step, out["eval/pass_rate"],
-             len(scored))
-    return out
 
-
-def restore(config, ckpt: Checkpointer, step: int | None, graphdef, state, mesh,
-            set_aside: bool = True):
-    """(step, train state, host state) of checkpoint `step`, laid out like `state`; step
-    None: the latest that reads back (a damaged newer step is skipped with a warning, and
-    moved aside unless `set_aside` is False)."""
-    _, abstract = learner.abstract_train_state(nnx.merge(graphdef, state.params),
-                                               config.learner, mesh)
-    if step is None:
-        return ckpt.restore_latest(abstract, set_aside)
-    return (step, *ckpt.restore(step, abstract))
-
-
-async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh, engine,
-                              agent: Agent, tasks: list[Task], workdir: str,
-                              path: str | None = None) -> None:
-    """--eval_only: the latest readable checkpoint's weights on `tasks` (e.g. a larger held-out set
-    than the run's, via --set env.eval_tasks=N), written to `path` (default
-    workdir/eval_only_{step}_{n}tasks.json)."""
-    if ckpt.latest_step() is None:
-        raise FileNotFoundError(f"--eval_only: no checkpoint in {ckpt.directory}")
-    # The newest step that reads back (a damaged newer one is named in a warning and left
-    # where it is); the output's name and rows carry the step evaluated.
-    step, state, _ = restore(config, ckpt, None, graphdef, state, mesh, set_aside=False)
-    await distributed.sync_weights(engine, state.params, config.engine.kind == "sglang")
-    await evaluate(config, agent, tasks, None, step, workdir,
-                   path or os.path.join(workdir, f"eval_only_{step}_{len(tasks)}tasks.json"))
+    async def evaluate_checkpoint(self, state, path: str | None = None) -> None:
+        """--eval_only: the latest readable checkpoint's weights on the held-out tasks
+        (e.g. a larger set than the run's, via --set env.eval_tasks=N), written to `path`
+        (default workdir/eval_only_{step}_{n}tasks.json)."""
+        if self.ckpt.latest_step() is None:
+            raise FileNotFoundError(f"--eval_only: no checkpoint in {self.ckpt.directory}")
+        # The newest step that reads back (a damaged newer one is named in a warning and
+        # left where it is); the output's name and rows carry the step evaluated.
+        step, state, _ = self.restore(None, state, set_aside=False)
+        await distributed.sync_weights(self.engine, state.params,
+                                       self.config.engine.kind == "sglang")
+        n = len(self.eval_tasks)
+        await self.evaluate(step, None, path or os.path.join(
+            self.workdir, f"eval_only_{step}_{n}tasks.json"))
 
 
 if __name__ == "__main__":
