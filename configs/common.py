@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import itertools
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import ml_collections
@@ -121,17 +120,6 @@ def load_config(spec: str) -> ConfigDict:
     if not callable(getattr(module, "get_config", None)):
         raise ValueError(f"config file {path!r} defines no get_config(arg) function")
     return module.get_config(arg or None)
-
-
-def product(*axes: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Cartesian product of sweep axes: each axis a list of override dicts."""
-    return [dict(itertools.chain.from_iterable(d.items() for d in combo))
-            for combo in itertools.product(*axes)]
-
-
-def sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
-    """One sweep axis: `sweep("rl.lr", [1e-6, 3e-6])`."""
-    return [{key: v} for v in values]
 
 
 # ------------------------------------------------------------------ shared sections

@@ -108,7 +108,7 @@ class SPO(Algorithm):
             await collector.close()
         counts: dict[str, list[int]] = {}
         for t in trajs:
-            if not t.is_env_error and t.reward is not None:
+            if t.is_scored:
                 s_n = counts.setdefault(t.task_id, [0, 0])
                 s_n[0], s_n[1] = s_n[0] + int(t.reward), s_n[1] + 1
         ids = list(counts)
@@ -154,7 +154,7 @@ class SPO(Algorithm):
     def advantages(self, step: int, groups: Sequence[Sequence[Trajectory]]
                    ) -> tuple[list[Trajectory], np.ndarray, dict[str, float]]:
         """A = r - v_before, batch-normalised; remembers the batch for after_update."""
-        scored = [t for g in groups for t in g if not t.is_env_error and t.reward is not None]
+        scored = [t for g in groups for t in g if t.is_scored]
         self._pending = None
         if not scored:
             return [], np.zeros(0), {}
