@@ -59,6 +59,7 @@ from inference.engine import (
 )
 from models.tokenizer import TOOL_CALL_END, Tokenizer
 from rl.prefix import PrefixQueue, PrefixTask
+from rl.seeds import member_seed, request_seed
 from rl.types import Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -239,7 +240,7 @@ class Agent:
         cfg = self.cfg
         request = GenerateRequest(
             context, budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            stop_token_ids=self.stop_ids, seed=_seed(job.seed, attempt, len(context)),
+            stop_token_ids=self.stop_ids, seed=request_seed(job.seed, attempt, len(context)),
             return_logprob=cfg.logprobs)
         self.activity.start()
         try:
@@ -402,17 +403,13 @@ async def run_guarded(agent: Agent, job: RolloutJob) -> Trajectory:
                           error=_describe(e), seed=job.seed)
 
 
-def _seed(base: int, attempt: int, turn: int) -> int:
-    return (base * 1_000_003 + attempt * 7919 + turn) % (2**31 - 1)
-
-
 async def collect_groups(agent: Agent, jobs: Sequence[RolloutJob], n: int,
                          progress: Callable[[int], None] | None = None,
                          ) -> list[list[Trajectory]]:
     """N rollouts of every job, all awaited. Returns one group per job, in order."""
 
     async def one(job: RolloutJob, i: int) -> Trajectory:
-        traj = await run_guarded(agent, dataclasses.replace(job, seed=job.seed * 1009 + i))
+        traj = await run_guarded(agent, dataclasses.replace(job, seed=member_seed(job.seed, i)))
         if progress is not None:
             progress(1)
         return traj

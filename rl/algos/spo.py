@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rl import spo
+from rl import seeds, spo
 from rl.algos.base import Algorithm, Context, Progress
 from rl.rollout import RolloutJob, StreamCollector
 from rl.types import Trajectory
@@ -64,7 +64,7 @@ class SPO(Algorithm):
         self.batch_tasks = self.rollouts_per_step = c.batch_tasks
         self.tracker = tracker_from_config(self.cfg)
         self.sampler = spo.PrioritizedSampler(self.tracker, seed=c.seed, eps=self.cfg.sampler_eps)
-        self.rng = np.random.default_rng([c.seed, 1])
+        self.rng = seeds.host_rng(c.seed)
         self.task_by_id = {t.instance_id: t for t in ctx.train_tasks}
         ids = list(self.task_by_id)
         self.pool_ids = ids[:self.cfg.pool_size] if self.cfg.pool_size else ids
