@@ -196,8 +196,7 @@ class Agent:
         # exceptions and on SIGTERM; the factory (a Docker fleet's probes and containers)
         # is closed with it. Sandbox calls run in the pool's threads (they block on
         # subprocesses).
-        self.pool = SandboxPool(sandbox_factory, max_concurrent_envs,
-                                on_close=sandbox_factory.close)
+        self.pool = SandboxPool(sandbox_factory, max_concurrent_envs)
         self.stop_ids = sorted({tokenizer.special_ids[TOOL_CALL_END], tokenizer.eos_id,
                                 tokenizer.pad_id})
         self.grades = GradeCache()  # shared with the agents of with_sampling

@@ -24,9 +24,9 @@ import time
 import pytest
 from sandbox_backends import IMAGE, ROOT, ensure_image
 
-from env.sandbox import SandboxError, SandboxFactory, fsread
+from env.sandbox import FACTORY_LABEL, SandboxError, SandboxFactory, fsread
 from env.sandbox.local import LocalLimits, LocalSandbox, reap_stale, uid_processes
-from env.sandbox.pool import POOL_LABEL, SandboxPool, make_pool
+from env.sandbox.pool import SandboxPool
 
 FILES = {
     "calc.py": "def add(a, b):\n    return a - b\n",
@@ -785,15 +785,16 @@ def test_unreachable_daemon_is_a_clear_sandbox_error(monkeypatch, host):
 def pool_for(backend, request, max_concurrent):
     if backend == "docker":
         client, image = request.getfixturevalue("docker_image")
-        return make_pool("docker", max_concurrent, image=image, client=client), client
-    return make_pool("local", max_concurrent), None
+        return SandboxPool(SandboxFactory("docker", image=image, client=client),
+                           max_concurrent), client
+    return SandboxPool(SandboxFactory("local"), max_concurrent), None
 
 
 def leftovers(pool, client, sandboxes, marker):
     containers = []
     if client is not None:
         containers = client.containers.list(all=True,
-                                            filters={"label": f"{POOL_LABEL}={pool.id}"})
+                                            filters={"label": f"{FACTORY_LABEL}={pool.factory.id}"})
     dirs = [sb.root for sb in sandboxes if hasattr(sb, "root") and os.path.exists(sb.root)]
     return containers, host_processes(marker), dirs
 
@@ -858,6 +859,10 @@ def test_pool_slot_stays_taken_until_a_cancelled_creation_is_closed():
     gate = threading.Event()
     events = []
 
+    class Recorded(SandboxFactory):
+        def __call__(self, spec):
+            return factory(spec)
+
     def factory(spec):
         events.append(f"create {spec}")
         if spec == "a":
@@ -872,7 +877,7 @@ def test_pool_slot_stays_taken_until_a_cancelled_creation_is_closed():
         sandbox.close = recorded_close
         return sandbox
 
-    pool = SandboxPool(factory, max_concurrent=1)
+    pool = SandboxPool(Recorded("local"), max_concurrent=1)
 
     async def use(spec):
         async with pool.acquire(spec):
@@ -900,12 +905,14 @@ def test_pool_slot_stays_taken_until_a_cancelled_creation_is_closed():
 def test_pool_retries_transient_creation_errors():
     failures = []
 
-    def flaky(spec):
-        if len(failures) < 2:
-            failures.append(1)
-            raise SandboxError("engine busy")
-        return SandboxFactory("local").create(repo_files=spec)
+    class Flaky(SandboxFactory):
+        def __call__(self, spec):
+            if len(failures) < 2:
+                failures.append(1)
+                raise SandboxError("engine busy")
+            return self.create(repo_files=spec)
 
+    flaky = Flaky("local")
     pool = SandboxPool(flaky, max_concurrent=1, backoff_s=0.01)
 
     async def main():
@@ -932,12 +939,13 @@ def test_pool_closes_everything_on_signals(backend, signum, request, tmp_path):
         import asyncio, signal, sys
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        from env.sandbox.pool import make_pool
-        pool = make_pool({backend!r}, 2, {args})
+        from env.sandbox import SandboxFactory
+        from env.sandbox.pool import SandboxPool
+        pool = SandboxPool(SandboxFactory({backend!r}, {args}), 2)
 
         async def episode():
             async with pool.acquire({{"repo_files": {{"a": "b"}}}}) as sb:
-                print(pool.id, getattr(sb, "root", ""), flush=True)
+                print(pool.factory.id, getattr(sb, "root", ""), flush=True)
                 await pool.call(sb.run, {sleep!r}, 60)
 
         async def main():
@@ -965,7 +973,8 @@ def test_pool_closes_everything_on_signals(backend, signum, request, tmp_path):
     assert host_processes(sleep) == []
     if backend == "docker":
         client = request.getfixturevalue("docker_client")
-        assert client.containers.list(all=True, filters={"label": f"{POOL_LABEL}={pool_id}"}) == []
+        assert client.containers.list(
+            all=True, filters={"label": f"{FACTORY_LABEL}={pool_id}"}) == []
     else:
         assert not any(os.path.exists(line[1]) for line in lines)
 
@@ -1002,8 +1011,9 @@ def test_sigterm_while_the_main_thread_holds_the_pools_executor_lock(tmp_path):
     script.write_text(textwrap.dedent("""\
         import asyncio, os, signal, sys, time
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        from env.sandbox.pool import make_pool
-        pool = make_pool("local", 2)
+        from env.sandbox import SandboxFactory
+        from env.sandbox.pool import SandboxPool
+        pool = SandboxPool(SandboxFactory("local"), 2)
 
         async def main():
             async with pool.acquire({"repo_files": {"a": "b"}}) as sb:

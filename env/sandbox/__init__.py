@@ -6,7 +6,14 @@ env.sandbox.factory makes every one of them, env.sandbox.pool bounds and tracks 
 """
 
 from env.sandbox.base import ExecResult, Sandbox, SandboxError
-from env.sandbox.factory import BACKENDS, FleetFactory, SandboxFactory, from_config, sandbox_spec
+from env.sandbox.factory import (
+    BACKENDS,
+    FACTORY_LABEL,
+    FleetFactory,
+    SandboxFactory,
+    from_config,
+    sandbox_spec,
+)
 
-__all__ = ["BACKENDS", "ExecResult", "FleetFactory", "Sandbox", "SandboxError",
+__all__ = ["BACKENDS", "FACTORY_LABEL", "ExecResult", "FleetFactory", "Sandbox", "SandboxError",
            "SandboxFactory", "from_config", "sandbox_spec"]

@@ -9,11 +9,12 @@ are bounded and closed by env.sandbox.pool.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from env.sandbox.base import Sandbox
-from env.sandbox.docker import DockerSandbox, docker_host
+from env.sandbox.docker import DockerSandbox, docker_host, remove_containers
 from env.sandbox.fleet import DockerFleet
 from env.sandbox.local import LocalSandbox, reap_stale
 from env.tasks import Task
@@ -21,6 +22,8 @@ from env.tasks import Task
 log = logging.getLogger(__name__)
 
 BACKENDS = ("local", "docker")
+# Docker sandboxes carry {FACTORY_LABEL: factory.id}: close() removes what is left.
+FACTORY_LABEL = "swe-rl.factory"
 
 
 def sandbox_spec(task: Task, backend: str) -> dict[str, Any]:
@@ -59,12 +62,17 @@ class SandboxFactory:
     """task -> a new sandbox of `backend` ("local" | "docker") holding the task's
     repository. `defaults` are backend arguments (e.g. image=, client=, limits=); the
     task's own source (sandbox_spec) overrides them. Called with a mapping instead of
-    a task, it takes the mapping as the backend's arguments."""
+    a task, it takes the mapping as the backend's arguments.
+
+    id: unique id of this factory; its Docker sandboxes carry {FACTORY_LABEL: id}.
+    """
 
     def __init__(self, backend: str, **defaults: Any):
         if backend not in BACKENDS:
             raise ValueError(f"unknown sandbox backend {backend!r}; expected one of {BACKENDS}")
         self.backend, self.defaults = backend, defaults
+        self.id = uuid.uuid4().hex[:12]
+        self.labels = {FACTORY_LABEL: self.id}
 
     def __call__(self, source: Task | Mapping[str, Any] | None) -> Sandbox:
         spec = (sandbox_spec(source, self.backend) if isinstance(source, Task)
@@ -73,15 +81,20 @@ class SandboxFactory:
 
     def create(self, **spec: Any) -> Sandbox:
         """A sandbox from backend arguments: the defaults, overridden by `spec`."""
-        kind = LocalSandbox if self.backend == "local" else DockerSandbox
-        return kind(**{**self.defaults, **spec})
+        kwargs = {**self.defaults, **spec}
+        if self.backend == "local":
+            return LocalSandbox(**kwargs)
+        return DockerSandbox(**{**kwargs, "labels": {**kwargs.get("labels", {}), **self.labels}})
 
     def metrics(self) -> dict[str, float]:
         """Scalars for the step's metrics row (none on one engine)."""
         return {}
 
     def close(self) -> None:
-        """Nothing outlives the sandboxes on one engine (each closes itself)."""
+        """Removes any container of this factory still there (one whose creation was cut
+        short, or whose sandbox was never closed); local sandboxes close themselves."""
+        if self.backend == "docker":
+            remove_containers(self.labels, self.defaults.get("client"))
 
 
 class FleetFactory(SandboxFactory):
