@@ -44,12 +44,15 @@ import jax
 import numpy as np
 from flax import nnx
 
+import train
 from bench.env import old_local_factory
 from configs.common import load_config
+from env import sandbox, splits
 from inference.embedded import EmbeddedEngine, options_from_config
-from models import sharding
-from rl import learner, setup
+from models import loading, sharding
+from rl import learner, sft
 from rl.checkpoint import Checkpointer
+from rl.metrics import rollout_metrics
 from rl.rollout import Agent, RolloutConfig, RolloutJob, collect_groups
 
 
@@ -115,7 +118,7 @@ async def rollout_phase(agent: Agent, jobs, group_size: int) -> dict:
     wall = time.perf_counter() - t0
     trajs = [t for g in groups for t in g]
     tokens = sum(t.num_generated_tokens for t in trajs)
-    m = setup.rollout_metrics(trajs, groups)
+    m = rollout_metrics(trajs, groups)
     return {"rollout_s": round(wall, 2), "generated_tokens": tokens,
             "tokens_per_s": round(tokens / wall, 1),
             "env_errors": int(m["rollout/env_errors"]),
@@ -138,12 +141,12 @@ async def run(args) -> dict:
     config = load_config("configs/default.py")
     batch_tasks = args.tasks or config.batch_tasks
     group_size = args.group_size or config.group_size
-    train_tasks, _ = setup.tasks(config.env)
+    train_tasks, _ = splits.splits(config.env)
     workdir = tempfile.mkdtemp(prefix="engine_rollout_")
-    tokenizer = setup.tokenizer(config, args.ckpt or workdir, train_tasks)
-    model_cfg = setup.model_config(config.model, tokenizer.vocab_size)
+    tokenizer = sft.build_tokenizer(config, args.ckpt or workdir, train_tasks)
+    model_cfg = loading.model_config(config.model, tokenizer.vocab_size)
     mesh = sharding.make_mesh(**config.mesh)
-    model = setup.model(config.model, model_cfg, mesh, args.seed)
+    model = loading.build_model(config.model, model_cfg, mesh, args.seed)
     if args.ckpt:
         restore_params(model, config, mesh, args.ckpt)
     weights = nnx.split(model, nnx.Param)
@@ -153,7 +156,7 @@ async def run(args) -> dict:
     old_options = {k: v for k, v in options.items() if k in old_cls.__init__.__code__.co_varnames}
     engines = {"old": old_cls(old_model_weights(model, old_qwen3), seed=args.seed, **old_options),
                "new": EmbeddedEngine(weights, seed=args.seed, **options)}
-    factory = setup.sandbox_factory(config.env)
+    factory = sandbox.from_config(config.env)
     old_sandbox = args.old_sandbox or ("new" if os.path.isdir(args.old) else args.old)
     factories = {"old": factory if old_sandbox == "new" else old_local_factory(
         old_sandbox, workdir), "new": factory}
@@ -206,7 +209,7 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=3, help="phases per engine")
     p.add_argument("--warmup", type=int, default=1,
                    help="first rounds left out of the steady figures (they compile)")
-    p.add_argument("--compilation_cache", default=setup.COMPILATION_CACHE,
+    p.add_argument("--compilation_cache", default=train.COMPILATION_CACHE,
                    help="persistent XLA cache, as train.py keeps it ('' off): a rerun "
                         "compiles nothing either engine compiled before")
     p.add_argument("--grade-cache", type=int, default=1,
@@ -220,7 +223,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tasks", type=int, default=0, help="tasks per phase (0: the default's)")
     p.add_argument("--group-size", type=int, default=0, help="rollouts per task (0: the default's)")
     args = p.parse_args(argv)
-    setup.compilation_cache(args.compilation_cache)
+    train.compilation_cache(args.compilation_cache)
     result = asyncio.run(run(args))
     print(json.dumps(result))
     return result

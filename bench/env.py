@@ -43,8 +43,9 @@ import sys
 import tempfile
 import time
 
-from env.episode import Episode, sandbox_factory, sandbox_spec
+from env.episode import Episode
 from env.miniswe import expert_demo, generate_tasks
+from env.sandbox import FleetFactory, SandboxFactory
 
 
 def run_episode(factory, task, grading: str = "fresh") -> str:
@@ -101,7 +102,12 @@ def old_local_factory(old: str, root: str):
     cls = importlib.import_module("sandbox_old.local").LocalSandbox
     if "errors" not in inspect.signature(cls.read_file).parameters:
         cls = _with_read_errors(cls)
-    return lambda task: cls(**sandbox_spec(task, "local"))
+
+    class OldLocal(SandboxFactory):
+        def create(self, **spec):
+            return cls(**spec)
+
+    return OldLocal("local")
 
 
 def _with_read_errors(old_cls):
@@ -121,7 +127,7 @@ def measure_local(tasks, levels: list[int], per_slot: int, old: str) -> dict:
     after the other at each level."""
     rows: dict = {"local": [], "local_in_place": [], **({"local_old": []} if old else {})}
     with tempfile.TemporaryDirectory() as root:
-        factories = {"local": sandbox_factory("local")}
+        factories = {"local": SandboxFactory("local")}
         if old:
             factories["local_old"] = old_local_factory(old, root)
         for c in levels:
@@ -157,12 +163,11 @@ def docker_factory(image: str, max_concurrency: int):
     except Exception as e:  # noqa: BLE001 - no usable engine or image: report, do not crash
         return None, f"{type(e).__name__}: {e}"
     live = lambda: len(client.containers.list(all=True, filters={"label": f"{LABEL}=1"}))
-    return sandbox_factory("docker", image=image, client=client, mem_limit="512m"), live
+    return SandboxFactory("docker", image=image, client=client, mem_limit="512m"), live
 
 
 def measure_fleet(hosts: list[str], image: str, tasks, concurrency: int) -> list[dict]:
     """episodes/s of `tasks` at `concurrency` on fleets of 1, 2, ... of `hosts`."""
-    from env.episode import FleetFactory
 
     rows = []
     for n in range(1, len(hosts) + 1):

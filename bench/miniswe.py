@@ -20,9 +20,10 @@ import random
 import sys
 import time
 
-from env.episode import Episode, sandbox_factory
+from env.episode import Episode
 from env.grading import grade
 from env.miniswe import expert_demo, generate_tasks
+from env.sandbox import SandboxFactory
 
 
 def run_demo(factory, task, demo, checks=None) -> list[str]:
@@ -98,7 +99,7 @@ def main() -> None:
                 failed = True
                 continue
         else:
-            factory = sandbox_factory(backend)
+            factory = SandboxFactory(backend)
         print(f"{backend}: {args.tasks} tasks", file=sys.stderr)
         start = time.perf_counter()
         problems = sweep(factory, tasks, range(len(tasks)), lambda i: i % 5 == 0, args.threads)

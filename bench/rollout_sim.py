@@ -74,6 +74,7 @@ from typing import Any
 
 import numpy as np
 
+from env.sandbox import SandboxFactory
 from env.sandbox.base import ExecResult, Sandbox, SandboxError
 from env.tasks import Task
 from inference.engine import Engine, EngineError, GenerateRequest, GenerateResult
@@ -325,10 +326,22 @@ class SimSandbox(Sandbox):
         self._closed = True
 
 
-def sandbox_factory(model: LongTailModel, time_scale: float, seed: int):
+class SimSandboxes(SandboxFactory):
     """task -> a new SimSandbox; all share one seeded grading stream."""
-    rng, lock = np.random.default_rng([seed, 1]), threading.Lock()
-    return lambda task: SimSandbox(time_scale, model.pass_rate, rng, lock, task.workdir)
+
+    def __init__(self, model: LongTailModel, time_scale: float, seed: int):
+        super().__init__("local")
+        self.model, self.time_scale = model, time_scale
+        self.rng, self.lock = np.random.default_rng([seed, 1]), threading.Lock()
+
+    def __call__(self, task) -> SimSandbox:
+        return SimSandbox(self.time_scale, self.model.pass_rate, self.rng, self.lock,
+                          task.workdir)
+
+
+def sandbox_factory(model: LongTailModel, time_scale: float, seed: int) -> SimSandboxes:
+    """task -> a new SimSandbox; all share one seeded grading stream."""
+    return SimSandboxes(model, time_scale, seed)
 
 
 # ---- the training-loop simulation ------------------------------------------------------------

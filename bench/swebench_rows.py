@@ -39,7 +39,8 @@ import time
 
 import docker
 
-from env.episode import Episode, sandbox_factory
+from env.episode import Episode
+from env.sandbox import SandboxFactory
 from env.tasks import Task, load_tasks
 
 SITE = "/usr/local/lib/python3.11/dist-packages"
@@ -114,7 +115,7 @@ def image_without_pytest(client, image: str) -> str:
 
 
 def grade_row(client, task: Task) -> dict:
-    factory = sandbox_factory("docker", client=client)
+    factory = SandboxFactory("docker", client=client)
     gold = [apply_gold(task)]
     cases = {
         "untouched": run_case(factory, task, [bash("git status --short")]),

@@ -62,7 +62,7 @@ def main():
     t0 = time.perf_counter()
     ids = [f"task-{i:07d}" for i in range(args.prompts)]
     tracker = BetaTracker()
-    tracker.init_offline(ids, rng.integers(0, 9, args.prompts), n0=8)
+    tracker.init_offline(ids, rng.integers(0, 9, args.prompts), n0=8, form="paper")
     init_s = time.perf_counter() - t0
     print(f"tracked {len(tracker)} prompts in {init_s:.1f}s", file=sys.stderr)
 

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 import ast
 import importlib.util
-import itertools
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import ml_collections
@@ -121,17 +120,6 @@ def load_config(spec: str) -> ConfigDict:
     if not callable(getattr(module, "get_config", None)):
         raise ValueError(f"config file {path!r} defines no get_config(arg) function")
     return module.get_config(arg or None)
-
-
-def product(*axes: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Cartesian product of sweep axes: each axis a list of override dicts."""
-    return [dict(itertools.chain.from_iterable(d.items() for d in combo))
-            for combo in itertools.product(*axes)]
-
-
-def sweep(key: str, values: Sequence[Any]) -> list[dict[str, Any]]:
-    """One sweep axis: `sweep("rl.lr", [1e-6, 3e-6])`."""
-    return [{key: v} for v in values]
 
 
 # ------------------------------------------------------------------ shared sections
@@ -469,6 +457,17 @@ def check_values(config: ConfigDict) -> None:
         raise ValueError(f"sft.steps={config.sft.steps} needs sft.batch_size >= 1 and "
                          f"sft.num_demos >= 1, got {config.sft.batch_size} and "
                          f"{config.sft.num_demos}")
+
+
+def check_lengths(config: ConfigDict) -> None:
+    """A rollout's longest context fits the embedded engine's slots and the learner's
+    longest row."""
+    if config.engine.kind == "embedded" and config.engine.max_len < config.rollout.max_context:
+        raise ValueError(f"engine.max_len ({config.engine.max_len}) must be >= "
+                         f"rollout.max_context ({config.rollout.max_context})")
+    if max(config.learner.row_buckets) < config.rollout.max_context:
+        raise ValueError(f"the longest learner.row_buckets ({max(config.learner.row_buckets)}) "
+                         f"must hold rollout.max_context ({config.rollout.max_context})")
 
 
 def _check_order(config: ConfigDict, low_key: str, high_key: str) -> None:

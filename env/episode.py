@@ -24,73 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 from env.grading import GRADINGS, GradeCache, SandboxOpener, grade, grade_patch
-from env.sandbox import make_sandbox
+from env.sandbox import SandboxFactory
 from env.sandbox.base import Sandbox, SandboxError
 from env.tasks import Task
 from env.tools import ToolBox, ToolCallError, parse_tool_call
-
-SandboxFactory = Callable[[Task], Sandbox]
-
-
-def sandbox_spec(task: Task, backend: str) -> dict[str, Any]:
-    """The `make_sandbox(backend, ...)` arguments that put `task`'s repository in place.
-
-    local: `repo_files` or `repo_dir` (+ `base_commit`). docker: the task's `image`
-    (when it has one; otherwise the caller's default image) at `workdir`, with
-    `repo_files` written into it when given. Both: the task's `env_setup` (the image's
-    environment activation), run before every command.
-    """
-    if backend == "local":
-        if task.repo_files is None and task.repo_dir is None:
-            raise ValueError(f"task {task.instance_id} has only an image ({task.image}); "
-                             "the local backend needs repo_files or repo_dir")
-        spec = {"repo_files": task.repo_files, "repo_dir": task.repo_dir,
-                **({"env_setup": task.env_setup} if task.env_setup else {})}
-        return {**spec, "base_commit": task.base_commit or None} if task.repo_dir else spec
-    if backend == "docker":
-        if task.repo_dir is not None and task.repo_files is None:
-            raise ValueError(f"task {task.instance_id}: the docker backend takes an image or "
-                             "repo_files, not repo_dir")
-        spec: dict[str, Any] = {"workdir": task.workdir}
-        if task.env_setup:
-            spec["env_setup"] = task.env_setup
-        if task.image:
-            spec["image"] = task.image
-        if task.repo_files is not None:
-            spec["repo_files"] = task.repo_files
-        elif task.base_commit:
-            spec["base_commit"] = task.base_commit
-        return spec
-    raise ValueError(f"unknown sandbox backend {backend!r}")
-
-
-def sandbox_factory(backend: str, **defaults: Any) -> SandboxFactory:
-    """task -> a new sandbox of `backend` holding the task's repository.
-
-    `defaults` are backend arguments (e.g. image=, client=, limits=); the task's own
-    source (sandbox_spec) overrides them.
-    """
-    return lambda task: make_sandbox(backend, **{**defaults, **sandbox_spec(task, backend)})
-
-
-class FleetFactory:
-    """task -> a new Docker sandbox holding the task's repository, on the engine of a
-    fleet with the most free slots (env.sandbox.fleet); `close()` closes the fleet."""
-
-    def __init__(self, hosts: list[str], slots_per_engine: int, **defaults: Any):
-        from env.sandbox.fleet import DockerFleet
-
-        self.fleet = DockerFleet(hosts, slots_per_engine, **defaults)
-
-    def __call__(self, task: Task) -> Sandbox:
-        return self.fleet.create(**sandbox_spec(task, "docker"))
-
-    def metrics(self) -> dict[str, float]:
-        """The fleet's per-engine scalars (`env/engine{i}/...`)."""
-        return self.fleet.metrics()
-
-    def close(self) -> None:
-        self.fleet.close()
 
 
 @dataclasses.dataclass

@@ -10,8 +10,8 @@ One path for every task (SWE-bench, R2E-Gym, mini-SWE, native rows):
    (`task.test_infra`), and modules named like a standard-library module outside any
    package (a `unittest.py` in the repository root shadows the real one).
 2. Run `task.test_command` (the sandbox runs `task.env_setup` before it, as before the
-   agent's commands: env.episode.sandbox_spec), and read the log with the task's
-   parser (`PARSERS`): test name -> PASSED / FAILED / ERROR / SKIPPED / XFAIL.
+   agent's commands: env.sandbox.sandbox_spec), and read the log with the task's
+   parser (env.logparsers): test name -> PASSED / FAILED / ERROR / SKIPPED / XFAIL.
 3. Grade: R2E-Gym rows (`expected_output`) must reproduce `expected_output_json`
    exactly; others pass when no FAIL_TO_PASS or PASS_TO_PASS test is FAILED, ERROR or
    missing from the log (SWE-bench `get_eval_tests_report`: a skipped test is neither
@@ -53,12 +53,12 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import NamedTuple
 
+from env.logparsers import ANSI, PARSERS, clean
 from env.sandbox.base import Sandbox, SandboxError
 from env.swebench import NON_TEST_EXTS, patch_paths, test_directives
 from env.tasks import Task
 
 GIT = "git -c safe.directory=* -c core.quotepath=off"
-STATUSES = ("PASSED", "FAILED", "SKIPPED", "ERROR", "XFAIL")
 FAILING = ("FAILED", "ERROR")
 TEST_DIR_NAMES = {"tests", "test", "testing"}
 # pytest's configuration files (7-9 read these names; pytest.toml and .pytest.toml from 9).
@@ -70,7 +70,6 @@ SECTION_FILES = {"setup.cfg": lambda s: s in ("tool:pytest", "pytest"),
 # is left out: repositories have their own `test` directories.
 # `sitecustomize` / `usercustomize` run at every interpreter start from sys.path.
 STDLIB = frozenset(sys.stdlib_module_names) - {"test"} | {"sitecustomize", "usercustomize"}
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class Grade(NamedTuple):
@@ -82,153 +81,11 @@ class Grade(NamedTuple):
     error: str = ""
 
 
-# ---- log parsers: test name -> status ---------------------------------------------------------
-
-
-def _clean(log: str) -> list[str]:
-    return _ANSI.sub("", log.replace("\r", "")).split("\n")
-
-
-def _pytest_lines(log: str):
-    """(status, rest) of each `-rA` summary line; skips `SKIPPED [N] file:line` counts."""
-    for line in _clean(log):
-        status, _, rest = line.partition(" ")
-        if status in STATUSES and rest.strip() and not re.match(r"\[\d+\]", rest):
-            yield status, rest.strip()
-
-
-def _pytest_full_id(status: str, rest: str) -> str:
-    """The whole node id: up to the `]` that closes a parametrization, else up to the
-    ` - message` pytest appends to FAILED / ERROR / XFAIL lines."""
-    bracketed = re.match(r"\S*?\[.*?\](?= - |$)", rest)
-    if bracketed:
-        return bracketed.group(0)
-    return rest if status == "PASSED" else rest.split(" - ", 1)[0]
-
-
-def parse_pytest(log: str) -> dict[str, str]:
-    """pytest `-rA` summaries. Each test is entered under its whole node id and under
-    the id cut at its first space, the form SWE-bench's `parse_log_pytest` records
-    (`test_x[a b]` -> `test_x[a`); among cut ids that collide the last line wins, as
-    there."""
-    out = {}
-    for status, rest in _pytest_lines(log):
-        out[rest.split()[0]] = status
-        out[_pytest_full_id(status, rest)] = status
-    return out
-
-
-def _short_option(test_id: str) -> str:
-    """`test[/abs/path/x]` -> `test[/x]`: the id form of SWE-bench's pytest-with-options
-    parser (requests, pylint, pydicom), whose ids must not depend on the checkout path."""
-    m = re.fullmatch(r"(.*?)\[(.*)\]", test_id)
-    if not m or not m.group(2).startswith("/") or m.group(2).startswith("//") or "*" in m.group(2):
-        return test_id
-    return f"{m.group(1)}[/{m.group(2).rsplit('/', 1)[-1]}]"
-
-
-def parse_pytest_options(log: str) -> dict[str, str]:
-    return {_short_option(k): v for k, v in parse_pytest(log).items()}
-
-
-def parse_pytest_v2(log: str) -> dict[str, str]:
-    """Later pytest logs (astropy, scikit-learn, sphinx): whole ids, spaces kept as single
-    spaces, and verbose `id STATUS` lines of older pytest versions."""
-    out = {}
-    for line in _clean(log):
-        line = "".join(c for c in line if c >= " " or c == "\t")
-        words = line.split()
-        if len(words) < 2:
-            continue
-        if words[0] in STATUSES:
-            if not re.fullmatch(r"\[\d+\]", words[1]):
-                head = line.split(" - ", 1)[0] if words[0] == "FAILED" else line
-                out[" ".join(head.split()[1:])] = words[0]
-        elif words[-1] in STATUSES:
-            out[" ".join(words[:-1])] = words[-1]
-    return out
-
-
-def parse_django(log: str) -> dict[str, str]:
-    """Django's runner at verbosity 2: `name (module.Class) ... ok|FAIL|ERROR|skipped`.
-    The name is what precedes ` ... ` on the line with the result (a docstring's first
-    line when the test has one), and a bare `ok` line completes the last `...` line
-    whose result was pushed down by the test's own output, as SWE-bench records them."""
-    out, pending = {}, None
-    for line in (raw.strip() for raw in _clean(log)):
-        if " ... " in line:
-            pending = line.split(" ... ", 1)[0]
-        for suffix, status in ((" ... ok", "PASSED"), (" ... OK", "PASSED"),
-                               (" ...  OK", "PASSED"), (" ... FAIL", "FAILED"),
-                               (" ... ERROR", "ERROR")):
-            if line.endswith(suffix):
-                out[line[: -len(suffix)]] = status
-        if " ... skipped" in line:
-            out[line.split(" ... skipped", 1)[0]] = "SKIPPED"
-        if line.startswith(("FAIL:", "ERROR:")) and len(line.split()) > 1:
-            out[line.split()[1]] = "FAILED" if line.startswith("FAIL:") else "ERROR"
-        if line.startswith("ok") and pending is not None:
-            out[pending] = "PASSED"
-    return out
-
-
-def parse_sympy(log: str) -> dict[str, str]:
-    """sympy's `bin/test --verbose`: `test_name ok|F|E` lines, and the `___ path.py:name
-    ___` header of each failure's report (entered as `path.py:name`, FAILED)."""
-    out = {f"{path}.py:{name}": "FAILED"
-           for path, name in re.findall(r"_+ (\S+)\.py:(\S+) _+", log)}
-    for line in (raw.strip() for raw in _clean(log)):
-        words = line.split()
-        if line.startswith("test_") and len(words) > 1:
-            status = {"ok": "PASSED", "F": "FAILED", "E": "ERROR"}.get(words[-1])
-            if status:
-                out[words[0]] = status
-    return out
-
-
-_UNITTEST = re.compile(r"^(\w+) \(([\w.]+)\)(?:\n[^\n]*?)? \.\.\. (ok|FAIL|ERROR|skipped|"
-                       r"expected failure|unexpected success)", re.MULTILINE)
-_UNITTEST_STATUS = {"ok": "PASSED", "FAIL": "FAILED", "ERROR": "ERROR", "skipped": "SKIPPED",
-                    "expected failure": "XFAIL", "unexpected success": "FAILED"}
-
-
-def parse_unittest(log: str) -> dict[str, str]:
-    """`python -m unittest -v`: `test_m (pkg.mod.Class.test_m) ... ok` (Python 3.11+) or
-    `test_m (pkg.mod.Class) ... ok`, entered under the dotted id `pkg.mod.Class.test_m`."""
-    out = {}
-    for name, where, status in _UNITTEST.findall("\n".join(_clean(log))):
-        test_id = where if where.endswith("." + name) else f"{where}.{name}"
-        out[test_id] = _UNITTEST_STATUS[status]
-    return out
-
-
-def parse_r2e(log: str) -> dict[str, str]:
-    """R2E-Gym's reading of a pytest `-rA` summary (`_calculate_reward_r2e`): the node id
-    after the file, `::` -> `.`, cut before ` - `."""
-    log = "\n".join(_clean(log))
-    if "short test summary info" not in log:
-        return {}
-    out = {}
-    for line in log.split("short test summary info", 1)[1].strip().splitlines():
-        for status in ("PASSED", "FAILED", "ERROR"):
-            if status in line:
-                out[".".join(line.split("::")[1:]).split(" - ")[0]] = status
-                break
-    return out
-
-
-PARSERS: dict[str, Callable[[str], dict[str, str]]] = {
-    "pytest": parse_pytest, "pytest_options": parse_pytest_options,
-    "pytest_v2": parse_pytest_v2, "django": parse_django, "sympy": parse_sympy,
-    "unittest": parse_unittest, "r2e": parse_r2e,
-}
-# "exit_code": the command judges itself (exit 0 = every listed test passed).
-PARSER_NAMES = (*PARSERS, "exit_code")
 
 
 def r2e_outcome_matches(parsed: dict[str, str], expected: dict[str, str]) -> bool:
     """Same tests, same statuses (names compared before any ' - ' suffix)."""
-    strip = lambda d: {_ANSI.sub("", k).split(" - ")[0]: v for k, v in d.items()}
+    strip = lambda d: {ANSI.sub("", k).split(" - ")[0]: v for k, v in d.items()}
     parsed, expected = strip(parsed), strip(expected)
     return len(parsed) == len(expected) and all(
         not k or expected.get(k) == v for k, v in parsed.items())
@@ -253,14 +110,14 @@ def never_ran(task: Task, output: str, exit_code: int, timed_out: bool, timeout:
     if task.log_parser == "exit_code":
         return ""
     runner = re.search(r"^.*No module named '?(pytest|nose|django)'?.*$", "\n".join(
-        _clean(output)), re.MULTILINE)
+        clean(output)), re.MULTILINE)
     if runner and not any(t in status for t in task.tests):
         return f"runner_missing: the test runner is not installed: {runner.group(0).strip()}"
     if task.expected_output is not None:
         return "" if status else "tests_not_found: the log has no pytest summary"
     if any(t in status for t in task.tests) or not task.tests:
         return ""
-    text = "\n".join(_clean(output))
+    text = "\n".join(clean(output))
     if "\nINTERNALERROR> " in "\n" + text:
         raised = re.findall(r"^INTERNALERROR> +(\w[\w.]*(?:Error|Exception|Exit)\b.*)$", text,
                             re.MULTILINE)

@@ -48,7 +48,7 @@ class RepoSpec:
     """How one repository's tests run and are read.
 
     test_command: run in the repository root followed by the quoted test files
-      (`{test_files}`); parser: a name in env.grading.PARSERS; setup: shell run before
+      (`{test_files}`); parser: a name in env.logparsers.PARSERS; setup: shell run before
       every command (agent's and grader's) after the conda activation; install: run
       before the tests; infra: globs of the test runner's own files, restored before
       grading; django_labels: test files are given as dotted labels under tests/.

@@ -15,7 +15,7 @@ Row conventions matched (field names as the datasets spell them):
 Fields a row may add to any of them: `image`, `test_command` (wins over the table;
 `{tests}` = the listed test ids, `{test_files}` = the test files, `{test_labels}` =
 them as Django labels, all shell-quoted), `log_parser` (a name in
-env.grading.PARSER_NAMES), `env_setup` (shell run before every command), `test_files`,
+env.logparsers.PARSER_NAMES), `env_setup` (shell run before every command), `test_files`,
 `protect_tests` (false for datasets whose tasks edit tests). env/grading.py says how
 they are used.
 """
@@ -29,6 +29,7 @@ import posixpath
 from typing import Any
 
 from env import swebench
+from env.logparsers import PARSER_NAMES
 
 R2E_TEST_COMMAND = (
     "rm -rf r2e_tests && ln -s /root/r2e_tests r2e_tests && bash /root/run_tests.sh; "
@@ -261,8 +262,6 @@ def _repo_dir(row: dict, where: str) -> str | None:
 
 
 def _check_parser(name: str, where: str) -> None:
-    from env.grading import PARSER_NAMES  # grading builds on this module
-
     if name and name not in PARSER_NAMES:
         raise TaskRowError(f"{where}: field 'log_parser' is {name!r}; known: "
                            f"{', '.join(PARSER_NAMES)}")

@@ -58,7 +58,7 @@ from flax import nnx
 
 from inference.engine import Engine, EngineError, GenerateRequest, GenerateResult
 from inference.sampling import sample_tokens
-from models import qwen3
+from models import hf_io, qwen3
 
 
 def bucket(n: int, cap: int, minimum: int = 1, step: int = 0) -> int:
@@ -306,14 +306,15 @@ def _output_head(graphdef, params) -> jax.Array:
     return nnx.merge(graphdef, params).lm_head().astype(jnp.float32)
 
 
-def _sample_at(head, hidden, positions, seeds, temperature, top_p, top_k, want_logp):
+def _sample_at(head, hidden, positions, seeds, temperature, top_p, top_k,
+               want_logp):  # (the traced arrays of a jitted call, one per operand)
     """Samples the token for `positions` [B] from hidden [B,d] and the head [d,V]."""
     logits = hidden.astype(jnp.float32) @ head
     return sample_tokens(logits, temperature, top_p, top_k, seeds, positions, want_logp)
 
 
 def _prefill(graphdef, params, head, pool_k, pool_v, slots, tokens, positions, start, last,
-             sampling, *, window: int):
+             sampling, *, window: int):  # (the traced arrays of a jitted call)
     """Feeds `tokens` [R,P] at `positions` (-1: padding) into rows `slots`, whose
     positions [0, start) are already filled, and samples the token after index `last`.
 
@@ -332,7 +333,8 @@ def _prefill(graphdef, params, head, pool_k, pool_v, slots, tokens, positions, s
 
 
 def _decode(graphdef, params, head, pool_k, pool_v, slots, token, pos, remaining, stop_ids,
-            sampling, min_finished, min_steps, *, window: int, steps: int):
+            sampling, min_finished, min_steps, *, window: int,
+            steps: int):  # (the traced arrays of a jitted call, and its static shapes)
     """Up to `steps` single-token steps of rows `slots`; stops early, after at least
     `min_steps` steps, once `min_finished` rows have finished (or at once when all have).
 
@@ -522,8 +524,6 @@ class EmbeddedEngine(Engine):
         Requests generating now go on with the new weights (their results report the
         version they started under); parked prefixes are dropped."""
         if isinstance(params_or_path, str | os.PathLike):
-            from models import hf_io
-
             _, model = hf_io.load_hf(os.fspath(params_or_path), dtype=self.cfg.dtype,
                                      param_dtype=self.cfg.param_dtype)
             params = _split(model)[1]

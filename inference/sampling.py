@@ -176,7 +176,8 @@ def nucleus_mask(scaled: jax.Array, probs: jax.Array, top_p: jax.Array, below: j
     return keys >= hi[:, None]
 
 
-def _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates: int):
+def _sample_truncated(scaled, lse, u, top_p, top_k, truncated,
+                      candidates: int):  # (traced per-row arrays, and a static size)
     """Top-k / top-p sampling; among the `candidates` largest logits when they hold the
     kept set of every `truncated` row; else rows with top-k off bisect for their top-p
     threshold over the vocabulary (`nucleus_mask`), and only a top-k larger than the
@@ -215,7 +216,8 @@ def _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates: int):
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
                   top_k: jax.Array, seeds: jax.Array, positions: jax.Array,
                   want_logp: jax.Array | None = None,
-                  candidates: int = 64) -> tuple[jax.Array, jax.Array]:
+                  candidates: int = 64
+                  ) -> tuple[jax.Array, jax.Array]:  # (traced per-row sampling arrays)
     """Draws one token per row.
 
     logits[B,V] f32; temperature[B] (0 = greedy); top_p[B]; top_k[B]; seeds[B] uint32 and

@@ -439,6 +439,8 @@ def engine_from_config(config) -> tuple[Engine, str | None]:
     """An EmbeddedEngine from a training config: `model.hf_path` or else a
     `model.preset` initialised from `seed`, with the options of `config.engine`
     (`inference.embedded.options_from_config`, as train.py builds it)."""
+    # JAX and the model load only in a process that serves a model of its own: the
+    # Server above wraps any Engine, and its importers need neither.
     from inference.embedded import options_from_config
 
     model_cfg = config.model
@@ -452,23 +454,17 @@ def build_engine(hf_dir: str | None, preset: str | None, seed: int,
                  overrides: dict[str, Any] | None = None,
                  **options: int) -> tuple[Engine, str | None]:
     """An EmbeddedEngine over an HF directory or a randomly initialised preset (with the
-    Qwen3Config fields found in `overrides`); `options` go to EmbeddedEngine."""
-    import dataclasses
-
-    from flax import nnx
-
+    Qwen3Config fields found in `overrides`, models.loading.model_config); `options` go
+    to EmbeddedEngine."""
+    # As in engine_from_config: JAX and the model only where a model is served.
     from inference.embedded import EmbeddedEngine
-    from models import hf_io, qwen3
+    from models import hf_io, loading
 
     if hf_dir:
         _, model = hf_io.load_hf(hf_dir)
     elif preset:
-        if preset not in qwen3.PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; known: {sorted(qwen3.PRESETS)}")
-        fields = {f.name for f in dataclasses.fields(qwen3.Qwen3Config)}
-        cfg = dataclasses.replace(qwen3.PRESETS[preset], **{
-            k: v for k, v in (overrides or {}).items() if k in fields})
-        model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(seed))
+        model_cfg = {**(overrides or {}), "preset": preset, "hf_path": ""}
+        model = loading.build_model(model_cfg, loading.model_config(model_cfg), None, seed)
     else:
         raise ValueError("give --model-path, --preset or --config")
     engine = EmbeddedEngine(model, seed=seed, **options)
@@ -498,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.config:
-        import ml_collections
+        import ml_collections  # (a config's reader, only for --config)
 
         with open(args.config) as f:
             engine, model_path = engine_from_config(ml_collections.ConfigDict(json.load(f)))

@@ -352,6 +352,8 @@ class SGLangClient(Engine):
         return self.export_dir
 
     def _export(self, params, version: int) -> tuple[str, dict[str, float]]:
+        # The model code (JAX, safetensors) loads only in a client that exports weights:
+        # one that connects to servers holding their own needs none of it.
         from models import hf_io
 
         if self.model_config is None:
@@ -892,7 +894,7 @@ def placement(config) -> dict[str, Any]:
 def restrict_learner_devices(config) -> list[int]:
     """Limits this process's JAX GPUs to the learner's share of `placement` (before JAX
     starts its backend); returns the GPU ids."""
-    import jax
+    import jax  # (as in SGLangClient._export: a client may run without JAX)
 
     gpus = placement(config)["learner_gpus"]
     if config.engine.kind == "sglang" and config.engine.sglang.launch \
@@ -947,7 +949,7 @@ def from_config(config, workdir: str, model_config=None) -> SGLangClient:
     replaces) and stops them on close. Every server is checked (`check_server`) first.
     model_config: the served Qwen3Config; read from `hf_path` when not given.
     """
-    from models import hf_io
+    from models import hf_io  # (as in SGLangClient._export)
 
     sg = config.engine.sglang
     hf_path = config.model.get("hf_path", "")
@@ -991,6 +993,7 @@ def from_config(config, workdir: str, model_config=None) -> SGLangClient:
 
 
 def _export_init(model_config, export_dir: str, seed: int, dtype: str) -> str:
+    # (As in SGLangClient._export: the model code only where weights are exported.)
     from flax import nnx
 
     from models import hf_io, qwen3

@@ -57,8 +57,9 @@ def get(name: str) -> Callable[[np.ndarray], np.ndarray]:
 
 
 def scored(group: Sequence[Trajectory]) -> list[Trajectory]:
-    """The trajectories that count: env_error ones never enter statistics or training."""
-    return [t for t in group if not t.is_env_error and t.reward is not None]
+    """The trajectories that count (Trajectory.is_scored): env_error ones never enter
+    statistics or training."""
+    return [t for t in group if t.is_scored]
 
 
 def is_degenerate(rewards: np.ndarray) -> bool:

@@ -1,4 +1,5 @@
-"""One metric writer: TensorBoard events in workdir/tb and workdir/metrics.jsonl.
+"""One metric writer: TensorBoard events in workdir/tb and workdir/metrics.jsonl; what a
+step reports (rollout metrics, lags, histograms, the console line); one timer.
 
 Events are written with TensorBoard's own TensorFlow-free event writer and
 protos. Only process 0 writes; on other processes every call is a no-op.
@@ -6,16 +7,19 @@ protos. Only process 0 writes; on other processes every call is a no-op.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
 import math
 import os
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, MutableMapping, Sequence
 
 import jax
 import numpy as np
+import tqdm
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.proto import (
     event_pb2,
@@ -26,6 +30,10 @@ from tensorboard.compat.proto import (
 )
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.summary.writer.record_writer import RecordWriter
+
+from env.grading import error_kind
+from rl.rollout import ENGINE_ERROR
+from rl.types import Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -237,3 +245,100 @@ class MetricWriter:
         self._events.close()
         self._jsonl.close()
         self.enabled = False
+
+
+# ------------------------------------------------------------------ timing and progress
+
+
+@contextlib.contextmanager
+def timed(metrics: MutableMapping[str, float], key: str) -> Iterator[None]:
+    """Adds the seconds the block took to `metrics[key]` (set when absent)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def progress(total: int, desc: str):
+    """A progress bar on stderr for long phases (silent when stderr is not a terminal)."""
+    bar = tqdm.tqdm(total=total, desc=desc, leave=False, file=sys.stderr,
+                    disable=not sys.stderr.isatty())
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+# ------------------------------------------------------------------ what a step reports
+
+
+def rollout_metrics(trajs: Sequence[Trajectory], groups: Sequence[Sequence[Trajectory]]
+                    ) -> dict[str, float]:
+    """Pass rate, solve_none / partial / all, statuses and lengths of one step's rollouts."""
+    scored = [t for t in trajs if t.is_scored]
+    m: dict[str, float] = {"rollout/trajectories": len(trajs),
+                           "rollout/env_errors": len(trajs) - len(scored)}
+    for t in trajs:  # by reason: a sandbox failure, or tests that never ran (and why)
+        if t.is_env_error:
+            key = f"rollout/env_errors_{error_kind(t.error)}"
+            m[key] = m.get(key, 0) + 1
+    if scored:
+        m["rollout/pass_rate"] = float(np.mean([t.reward for t in scored]))
+        m["rollout/steps_mean"] = float(np.mean([t.num_steps for t in scored]))
+        m["rollout/generated_tokens_mean"] = float(np.mean([t.num_generated_tokens
+                                                            for t in scored]))
+    for status in ("finished", "max_steps", "truncated", "timeout"):
+        m[f"rollout/status_{status}"] = sum(t.status == status for t in trajs)
+    m["rollout/grades_cached"] = sum(t.grade_cached for t in scored)
+    m["rollout/engine_errors"] = sum(t.is_env_error and t.error.startswith(ENGINE_ERROR)
+                                     for t in trajs)
+    rewards = [[t.reward for t in g if t.is_scored] for g in groups]
+    rewards = [r for r in rewards if r]
+    m["rollout/solve_none"] = sum(max(r) == 0 for r in rewards)
+    m["rollout/solve_all"] = sum(min(r) == 1 for r in rewards)
+    m["rollout/solve_partial"] = len(rewards) - m["rollout/solve_none"] - m["rollout/solve_all"]
+    gen = [t.timings.get("generate_s", 0.0) for t in trajs]
+    env = [t.timings.get("env_s", 0.0) + t.timings.get("grade_s", 0.0) for t in trajs]
+    m["time/generate_s_sum"], m["time/env_s_sum"] = float(sum(gen)), float(sum(env))
+    return m
+
+
+def lag_metrics(lags: np.ndarray) -> dict[str, float]:
+    """Mean and max of the policy versions a step's trajectories lag the learner's, and
+    the count of each lag (async/lag_k)."""
+    if not lags.size:
+        return {}
+    values, counts = np.unique(lags.astype(np.int64), return_counts=True)
+    return {"async/lag_mean": float(lags.mean()), "async/lag_max": float(lags.max()),
+            **{f"async/lag_{v}": float(c) for v, c in zip(values, counts, strict=True)}}
+
+
+def histograms(groups: Sequence[Sequence[Trajectory]]) -> dict[str, np.ndarray]:
+    """Per-task pass rates and generated lengths of one step's rollouts."""
+    rates = [np.mean([t.reward for t in g if t.reward is not None]) for g in groups
+             if any(t.reward is not None for t in g)]
+    lengths = [t.num_generated_tokens for g in groups for t in g]
+    # A step whose rollouts were all env errors has no pass rates to histogram.
+    out = {"rollout/task_pass_rate": rates, "rollout/generated_tokens": lengths}
+    return {k: np.asarray(v, np.float64) for k, v in out.items() if v}
+
+
+def console_line(step: int, m: Mapping[str, float]) -> str:
+    """One line per RL step: pass rate, group outcomes, throughput and phase times."""
+    get = lambda k, default=float("nan"): m.get(k, default)
+    env_share = get("time/env_s_sum", 0.0) / max(
+        get("time/env_s_sum", 0.0) + get("time/generate_s_sum", 0.0), 1e-9)
+    line = (f"step {step:4d} | pass {get('rollout/pass_rate'):.3f} | "
+            f"none/partial/all {get('rollout/solve_none', 0):.0f}/"
+            f"{get('rollout/solve_partial', 0):.0f}/{get('rollout/solve_all', 0):.0f} | "
+            f"tok/s {get('rollout/generated_tokens_per_s', 0):.0f} | "
+            f"rollout {get('time/rollout_s', 0):.1f}s (env {env_share:.0%}) "
+            f"learner {get('time/learner_s', 0):.1f}s sync {get('time/sync_s', 0):.2f}s")
+    if "ps/prefix_tasks/too_hard" in m:
+        line += (f" | prefix tasks {m['ps/prefix_tasks/too_hard']:.0f}+"
+                 f"{m['ps/prefix_tasks/too_easy']:.0f}")
+    if "eval/pass_rate" in m:
+        line += f" | eval {m['eval/pass_rate']:.3f}"
+    return line

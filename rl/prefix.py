@@ -21,8 +21,10 @@ One training step of the bookkeeping, as the trainer calls it:
     ...fill the batch with loader tasks, run N rollouts per task -> groups...
     ps = build_prefix_tasks(groups, step, cfg, controller, rng)  # classify, adapt, pick sources
     queue.push(ps.tasks)                                         # they run from step + 1
-    train on [g for g, keep in zip(groups, ps.train) if keep]
     log prefix_metrics(ps, groups, controller, queue)
+    train on rl.advantages.group_advantages(groups, ...): the learner's own rejection
+    (reject_degenerate drops all-pass / all-fail groups) decides what trains; ps.train,
+    the classification's keep mask above, is reported, not applied.
 
 Trajectories with status env_error (infrastructure failure) or reward None are unscored:
 they never count as failures and never enter pass rates; a group without any scored
@@ -135,11 +137,6 @@ def _classes(k: np.ndarray, n: np.ndarray, low: float, high: float) -> np.ndarra
         default="normal")
 
 
-def scored(group: Sequence[Trajectory]) -> list[Trajectory]:
-    """Rollouts that count: not env_error and with a reward."""
-    return [t for t in group if not t.is_env_error and t.reward is not None]
-
-
 @dataclasses.dataclass
 class GroupClasses:
     """classes[G]: one of CLASSES or "unscored"; counts: per class plus rLLM's
@@ -154,7 +151,7 @@ def classify_groups(groups: Sequence[Sequence[Trajectory]], low: float = 0.3,
     """Classify every group (the N rollouts of one task from one start state)."""
     k, n = np.zeros(len(groups), np.int64), np.zeros(len(groups), np.int64)
     for i, group in enumerate(groups):
-        rewards = [t.reward for t in scored(group)]
+        rewards = [t.reward for t in [t for t in group if t.is_scored]]
         if any(r not in (0, 1) for r in rewards):
             raise ValueError(f"group {i}: rewards must be 0 or 1, got {sorted(set(rewards))}")
         k[i], n[i] = sum(rewards), len(rewards)
@@ -193,7 +190,7 @@ def select_source(trajs: Sequence[Trajectory], kind: str,
     because they cannot make a prefix task. None when no rollout qualifies.
     """
     want = 1 if _check_kind(kind) == "too_hard" else 0
-    cands = [t for t in scored(trajs) if t.reward == want and t.num_steps >= 2]
+    cands = [t for t in [t for t in trajs if t.is_scored] if t.reward == want and t.num_steps >= 2]
     if not cands:
         return None
     return cands[int(rng.integers(len(cands)))]
@@ -446,7 +443,7 @@ def prefix_pass_rates(groups: Sequence[Sequence[Trajectory]]) -> dict[str, tuple
     """(successes, scored rollouts) of the prefix-task rollouts of each kind."""
     out = {k: (0, 0) for k in KINDS}
     for group in groups:
-        for t in scored(group):
+        for t in [t for t in group if t.is_scored]:
             if t.prefix is not None:
                 s, n = out[t.prefix.kind]
                 out[t.prefix.kind] = (s + int(t.reward), n + 1)

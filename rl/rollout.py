@@ -46,7 +46,7 @@ from typing import Any
 from env import episode as episode_lib
 from env.grading import GRADINGS, GradeCache
 from env.latency import LatencyModel
-from env.sandbox.base import SandboxError
+from env.sandbox import SandboxError, SandboxFactory
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
 from env.tools import TOOL_SCHEMAS
@@ -59,6 +59,7 @@ from inference.engine import (
 )
 from models.tokenizer import TOOL_CALL_END, Tokenizer
 from rl.prefix import PrefixQueue, PrefixTask
+from rl.seeds import member_seed, request_seed
 from rl.types import Trajectory, Turn
 
 log = logging.getLogger(__name__)
@@ -150,9 +151,6 @@ def decode_jobs(state: Mapping[str, Any], task_by_id: Mapping[str, Any]) -> list
                                             state["replay"], state["has_prefix"], strict=True)]
 
 
-SandboxFactory = Callable[[Task], object]
-
-
 class Activity:
     """Wall time during which no request of this process waited on the engine: the
     inference engine idle, as the rollouts see it (waiting on tools, on the learner, or
@@ -195,10 +193,10 @@ class Agent:
         # scratch on these tasks can do without them and save the context.
         self.tools = TOOL_SCHEMAS if tools_in_prompt else None
         # Every sandbox comes from the pool: bounded, tracked, and closed on exit, on
-        # exceptions and on SIGTERM. A factory with a `close` (a Docker fleet) is closed
-        # with it. Sandbox calls run in the pool's threads (they block on subprocesses).
-        self.pool = SandboxPool(sandbox_factory, max_concurrent_envs,
-                                on_close=getattr(sandbox_factory, "close", None))
+        # exceptions and on SIGTERM; the factory (a Docker fleet's probes and containers)
+        # is closed with it. Sandbox calls run in the pool's threads (they block on
+        # subprocesses).
+        self.pool = SandboxPool(sandbox_factory, max_concurrent_envs)
         self.stop_ids = sorted({tokenizer.special_ids[TOOL_CALL_END], tokenizer.eos_id,
                                 tokenizer.pad_id})
         self.grades = GradeCache()  # shared with the agents of with_sampling
@@ -241,7 +239,7 @@ class Agent:
         cfg = self.cfg
         request = GenerateRequest(
             context, budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-            stop_token_ids=self.stop_ids, seed=_seed(job.seed, attempt, len(context)),
+            stop_token_ids=self.stop_ids, seed=request_seed(job.seed, attempt, len(context)),
             return_logprob=cfg.logprobs)
         self.activity.start()
         try:
@@ -404,17 +402,13 @@ async def run_guarded(agent: Agent, job: RolloutJob) -> Trajectory:
                           error=_describe(e), seed=job.seed)
 
 
-def _seed(base: int, attempt: int, turn: int) -> int:
-    return (base * 1_000_003 + attempt * 7919 + turn) % (2**31 - 1)
-
-
 async def collect_groups(agent: Agent, jobs: Sequence[RolloutJob], n: int,
                          progress: Callable[[int], None] | None = None,
                          ) -> list[list[Trajectory]]:
     """N rollouts of every job, all awaited. Returns one group per job, in order."""
 
     async def one(job: RolloutJob, i: int) -> Trajectory:
-        traj = await run_guarded(agent, dataclasses.replace(job, seed=job.seed * 1009 + i))
+        traj = await run_guarded(agent, dataclasses.replace(job, seed=member_seed(job.seed, i)))
         if progress is not None:
             progress(1)
         return traj

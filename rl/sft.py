@@ -1,4 +1,5 @@
-"""Supervised warm start on demonstrations.
+"""Supervised warm start on scripted expert demonstrations (the `sft` config section),
+and the BPE tokenizer trained on the tasks and those demonstrations (`tokenizer`).
 
 A demonstration is a `Trajectory` whose actions are the expert's: its loss_mask
 (from `Trajectory.token_arrays`) is 1 on assistant tokens only, so the "sft"
@@ -9,14 +10,30 @@ learner's.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import random
+import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
+from flax import nnx
 
-from rl import learner
+from env import miniswe
+from env.tasks import Task
+from models.tokenizer import Tokenizer, render_tool_call, train_bpe
+from rl import distributed, learner
 from rl.batch import Batch, PackInfo, pack_trajectories
+from rl.metrics import MetricWriter, progress
+from rl.rollout import Agent
+from rl.sampler import TaskSampler
 from rl.types import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 def sft_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -72,3 +89,110 @@ def train_sft(state: learner.TrainState, graphdef, demos: Sequence[Trajectory],
             host = {k: float(v) for k, v in metrics.items()}
             on_metrics(int(host["step"]), {**host, **info.stats()})
     return state
+
+
+# ------------------------------------------------------------------ the run's warm start
+
+
+def expert_actions_text(calls: Sequence[dict[str, Any]] | miniswe.Demo) -> list[str]:
+    """Each expert tool call as the exact `<tool_call>` text the model should generate
+    (rendered by the chat template, models.tokenizer)."""
+    if isinstance(calls, miniswe.Demo):
+        calls = calls.calls
+    return [render_tool_call(c) for c in calls]
+
+
+async def demonstrations(config, agent: Agent, train: Sequence[Task]) -> list[Trajectory]:
+    """Scripted expert demonstrations on training tasks, a share of them imperfect,
+    rendered through the agent's own loop (identical token layout); over several
+    processes each renders its share and all get every demonstration."""
+    rng = random.Random(config.seed)
+    chosen = TaskSampler(train, seed=config.seed).next(config.sft.num_demos)
+    scripts = []
+    for task in chosen:
+        demo = miniswe.expert_demo(task, imperfect=rng.random() < config.sft.imperfect_share,
+                                   rng=rng)
+        scripts.append((task, expert_actions_text(demo)))
+    with progress(len(scripts), "demonstrations") as bar:
+        async def one(task, actions):
+            traj = await agent.demonstrate(task, actions)
+            bar.update(1)
+            return traj
+
+        async def render(mine):
+            return await asyncio.gather(*(one(t, a) for t, a in mine))
+
+        demos = await distributed.gather_map(render, scripts)
+    return [d for d in demos if not d.is_env_error and d.num_generated_tokens]
+
+
+def sft_learner_config(config, total_steps: int) -> ml_collections.ConfigDict:
+    """The learner config for SFT: its own lr and warmup, then a cosine decay to
+    `sft.end_lr_frac` of the lr at the last of `total_steps` updates (a constant lr leaves
+    the final weights wherever the last noisy steps put them)."""
+    cfg = config.learner.copy_and_resolve_references()
+    cfg.optim.lr = config.sft.lr
+    cfg.optim.warmup_steps = config.sft.warmup_steps
+    cfg.optim.schedule = "cosine"
+    cfg.optim.decay_steps = max(1, total_steps - config.sft.warmup_steps)
+    cfg.optim.end_lr_frac = config.sft.end_lr_frac
+    return cfg
+
+
+async def warm_start(config, agent: Agent, train_tasks: Sequence[Task], graphdef,
+                     state: learner.TrainState, mesh, writer: MetricWriter
+                     ) -> learner.TrainState:  # (7 parameters: the learner's three parts)
+    """SFT on scripted expert demonstrations, some imperfect, then a fresh RL optimizer."""
+    t0 = time.perf_counter()
+    demos = await demonstrations(config, agent, train_tasks)
+    log.info("SFT on %d demonstrations (%d correct, %d tokens; rendered in %.0fs)", len(demos),
+             sum(d.reward == 1 for d in demos), sum(len(d.token_arrays()[0]) for d in demos),
+             time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    epochs = max(1, round(config.sft.steps * config.sft.batch_size / len(demos)))
+    total = epochs * -(-len(demos) // config.sft.batch_size)
+    sft_cfg = sft_learner_config(config, total)
+    _, sft_state = learner.init_train_state(nnx.merge(graphdef, state.params), sft_cfg, mesh)
+    with progress(total, "SFT") as bar:
+        def on_metrics(step, m):
+            bar.update(1)
+            if step % 10 == 0:
+                writer.write_scalars(step, {f"sft/{k}": v for k, v in m.items()})
+            if step % 25 == 0:
+                log.info("SFT step %d: loss %.3f", step, m["loss"])
+        sft_state = await asyncio.to_thread(
+            train_sft, sft_state, graphdef, demos, sft_cfg,
+            buckets=config.learner.row_buckets, batch_size=config.sft.batch_size,
+            epochs=epochs, mesh=mesh, on_metrics=on_metrics)
+    log.info("SFT: %d steps in %.0fs", total, time.perf_counter() - t0)
+    _, state = learner.init_train_state(nnx.merge(graphdef, sft_state.params), config.learner,
+                                        mesh)
+    return state
+
+
+# ------------------------------------------------------------------ the tokenizer
+
+
+def tokenizer_corpus(train_tasks: Sequence[Task]) -> Iterator[str]:
+    """Text the default BPE is trained on: the training repositories, statements and
+    the expert's tool calls (never the held-out tasks)."""
+    for task in train_tasks:
+        yield task.problem_statement
+        yield from (task.repo_files or {}).values()
+        yield "\n".join(expert_actions_text(miniswe.expert_demo(task)))
+
+
+def build_tokenizer(config, workdir: str, train_tasks: Sequence[Task]) -> Tokenizer:
+    """A released tokenizer.json (`tokenizer.path`), or the BPE trained on the tasks
+    (saved in the workdir on first use, so a resumed run tokenizes exactly as before)."""
+    if config.tokenizer.path:
+        return Tokenizer.from_file(config.tokenizer.path)
+    path = os.path.join(workdir, "tokenizer.json")
+    if os.path.exists(path):
+        return Tokenizer.from_file(path)
+    tok = train_bpe(tokenizer_corpus(train_tasks), config.tokenizer.bpe_vocab_size)
+    # Replaced whole: the other processes of a multi-host run train the same BPE and
+    # may read the file while this one writes it.
+    tok.save(f"{path}.{jax.process_index()}.tmp")
+    os.replace(f"{path}.{jax.process_index()}.tmp", path)
+    return tok

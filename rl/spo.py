@@ -55,6 +55,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from env.tasks import decode_line
+
 
 def rho_from_drift(D, d_half: float = 0.06, rho_min: float = 0.875,
                    rho_max: float = 0.96) -> np.ndarray:
@@ -92,14 +94,14 @@ def spo_advantages(rewards, v_before, ddof: int = 1, eps: float = 1e-8) -> np.nd
     return (a - a.mean()) / (a.std(ddof=ddof) + eps)
 
 
-def offline_prior(successes, n0, rho_min: float = 0.875,
-                  form: Literal["paper", "reference"] = "paper"
+def offline_prior(successes, n0, rho_min: float, form: Literal["paper", "reference"]
                   ) -> tuple[np.ndarray, np.ndarray]:
     """(alpha0[P], beta0[P]) from s[P] successes in n0 (int or [P]) offline samples,
     N0 = 1 / (1 - rho_min).
 
-    paper (Eq. 6, Algorithm 2; the default, and the form that reproduces seed 002's
-      worked examples: s = 2 of 8 gives alpha0 = 2, beta0 = 6):
+    The run's form is `spo.init_form` (configs.common.spo_defaults: "reference").
+    paper (Eq. 6, Algorithm 2; the form that reproduces seed 002's worked examples:
+      s = 2 of 8 gives alpha0 = 2, beta0 = 6):
         alpha0 = N0 * s / n0,               beta0 = N0 * (n0 - s) / n0
     reference (adds a half, so no estimate starts at exactly 0 or 1):
         alpha0 = N0 * (s + 0.5) / (n0 + 1), beta0 = N0 * (n0 - s + 0.5) / (n0 + 1)
@@ -129,8 +131,6 @@ def load_offline_values(path: str) -> tuple[list[str], np.ndarray, np.ndarray]:
     prompt: {"task_id": non-empty str, "successes": int, "n": int} with 0 <= successes
     <= n and 1 <= n <= MAX_OFFLINE_N, counts written as JSON integers (not 1.7, "3",
     true or 1e30). OfflineValuesError names the file, line and field."""
-    from env.tasks import decode_line
-
     ids, succ, n, lines = [], [], [], {}
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
@@ -307,7 +307,7 @@ class BetaTracker:
         return rho
 
     def init_offline(self, task_ids: Sequence[str], successes, n0,
-                     form: Literal["paper", "reference"] = "paper") -> None:
+                     form: Literal["paper", "reference"]) -> None:
         """Set (alpha, beta) from offline sampling (offline_prior; n0 an int or one per
         id); ids must be distinct."""
         if len(set(task_ids)) != len(task_ids):

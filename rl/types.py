@@ -80,6 +80,12 @@ class Trajectory:
     def is_env_error(self) -> bool:
         return self.status == "env_error"
 
+    @property
+    def is_scored(self) -> bool:
+        """The episode ran and was graded: no env_error, and a reward. Only scored
+        trajectories count in pass rates, advantages and value estimates."""
+        return not self.is_env_error and self.reward is not None
+
     def token_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(ids[T], loss_mask[T], sampler_logprobs[T]) of the whole token stream.
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from env.episode import sandbox_factory
+from env.sandbox import SandboxFactory
 from env.sandbox.local import LocalLimits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,8 +39,8 @@ def docker_defaults(request) -> dict:
 
 def backend_factory(request, backend: str):
     if backend == "docker":
-        return sandbox_factory("docker", **docker_defaults(request))
-    return sandbox_factory("local", limits=LocalLimits(memory_bytes=1 << 30))
+        return SandboxFactory("docker", **docker_defaults(request))
+    return SandboxFactory("local", limits=LocalLimits(memory_bytes=1 << 30))
 
 
 def tree_hashes(sandbox) -> dict[str, str]:

@@ -16,7 +16,7 @@ import numpy as np
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.proto import event_pb2
 
-from rl.algos.grpo_ps import job_seed
+from rl.seeds import job_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The smoke config, every group trained on (its 2-step-old policy solves nothing, so GRPO

@@ -20,8 +20,8 @@ from flax import nnx
 
 import train
 from configs import common
-from models import qwen3
-from rl import learner, setup
+from models import loading, qwen3
+from rl import learner
 from rl.batch import pack_arrays
 from rl.rollout import RolloutConfig
 
@@ -168,12 +168,12 @@ def test_rollout_temperature_override_trains_at_it():
     (its log-probs are log_softmax(logits / 0.6) of the model's own logits)."""
     config = common.load_config(os.path.join(ROOT, "configs/default.py:smoke"))
     common.apply_overrides(config, common.parse_overrides(["rollout.temperature=0.6"]))
-    setup.check_config(config)
+    train.check_config(config)
     assert RolloutConfig(**config.rollout).temperature == 0.6
     assert config.learner.temperature == 0.6
     assert json.loads(config.to_json_best_effort())["learner"]["temperature"] == 0.6
 
-    cfg = setup.model_config(config.model, 512)
+    cfg = loading.model_config(config.model, 512)
     model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
     graphdef, state = learner.init_train_state(model, config.learner)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, 12).astype(np.int32)
@@ -196,7 +196,7 @@ def test_rollout_temperature_override_trains_at_it():
     broken = common.load_config(os.path.join(ROOT, "configs/default.py"))
     broken.learner = common.learner_defaults()  # T=1, not linked to the sampler's 0.7
     with pytest.raises(ValueError, match="learner.temperature .* must equal rollout"):
-        setup.check_config(broken)
+        train.check_config(broken)
 
 
 @pytest.mark.parametrize("key,value", [
@@ -366,7 +366,7 @@ def test_a_typo_in_an_enumerated_key_is_refused_naming_the_key(key):
             common.apply_overrides(config, {key: "typo"})
             with pytest.raises(ValueError, match=rf"{key.replace('.', '[.]')}='typo' "
                                                  rf"\(allowed: .*{common.CHOICES[key][-1]!r}"):
-                setup.check_config(config)
+                train.check_config(config)
 
 
 @pytest.mark.parametrize("override", ["env.backend=dokcer", "engine.kind=sglnag",

@@ -10,9 +10,11 @@ import random
 import pytest
 from sandbox_backends import BACKENDS, backend_factory, docker_defaults, tree_hashes
 
-from env.episode import Episode, restore, same_observation, sandbox_factory
-from env.grading import GradeCache, grade, parse_r2e, r2e_outcome_matches
+from env.episode import Episode, restore, same_observation
+from env.grading import GradeCache, grade, r2e_outcome_matches
+from env.logparsers import parse_r2e
 from env.miniswe import expert_demo, generate_tasks
+from env.sandbox import SandboxFactory
 from env.tasks import Task
 from models.tokenizer import render_tool_call
 
@@ -173,7 +175,7 @@ def test_closed_sandbox_is_env_error_not_reward_zero(factory):
 def test_killed_container_is_env_error(request):
     defaults = docker_defaults(request)
     client = defaults["client"]
-    factory = sandbox_factory("docker", **defaults)
+    factory = SandboxFactory("docker", **defaults)
     task = generate_tasks(1, seed=6)[0]
 
     with Episode(factory, task) as episode:  # killed mid-episode
@@ -195,7 +197,7 @@ def test_killed_container_is_env_error(request):
             assert episode.reward() == reward, episode.error
             assert episode.status == ("env_error" if reward is None else "finished")
 
-    broken = sandbox_factory("docker", **{**defaults, "image": "swe-rl-no-such-image:0"})
+    broken = SandboxFactory("docker", **{**defaults, "image": "swe-rl-no-such-image:0"})
     with Episode(broken, task) as episode:
         episode.reset()
         assert episode.status == "env_error" and "image" in episode.error

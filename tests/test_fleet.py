@@ -15,8 +15,9 @@ import docker
 import pytest
 from sandbox_backends import ensure_image
 
-from env.episode import Episode, FleetFactory
+from env.episode import Episode
 from env.miniswe import expert_demo, generate_tasks
+from env.sandbox import FleetFactory
 from env.sandbox.docker import docker_host
 from env.sandbox.fleet import OWNER_LABEL, reap_exited_owners
 

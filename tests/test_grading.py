@@ -31,20 +31,18 @@ import time
 import pytest
 from sandbox_backends import docker_defaults, world_readable
 
-from env.episode import Episode, sandbox_factory
+from env.episode import Episode
 from env.grading import (
     Grade,
     GradeCache,
     error_kind,
     grade,
     merge_test_sections,
-    parse_django,
-    parse_pytest,
-    parse_sympy,
-    parse_unittest,
     restore_plan,
 )
+from env.logparsers import parse_django, parse_pytest, parse_sympy, parse_unittest
 from env.miniswe import generate_tasks, unified_diff
+from env.sandbox import SandboxFactory
 from env.sandbox.local import LocalLimits
 from env.tasks import Task, task_from_row
 
@@ -233,8 +231,8 @@ def pytest_dir(request):
     shutil.rmtree(out, ignore_errors=True)
 
 
-FACTORY = sandbox_factory("local", limits=LocalLimits(memory_bytes=1 << 30),
-                          read_only=(PYTEST_HOME,))
+FACTORY = SandboxFactory("local", limits=LocalLimits(memory_bytes=1 << 30),
+                         read_only=(PYTEST_HOME,))
 
 
 def _grade(task, *edits, setup=None):
@@ -395,7 +393,7 @@ ACTIVATE = ("mkdir -p /tmp/env/bin && ln -sf /usr/bin/python3 /tmp/env/bin/pytho
 def test_docker_activation_for_agent_and_grader_and_missing_python(request):
     """The sandbox image has `python3` only, like an official image whose conda env is
     not activated: the `python` command is missing until `env_setup` provides it."""
-    factory = sandbox_factory("docker", **docker_defaults(request))
+    factory = SandboxFactory("docker", **docker_defaults(request))
     task = dataclasses.replace(generate_tasks(1, seed=5)[0],
                                test_command="python -m unittest -v {tests}")
     with Episode(factory, task) as episode:
@@ -415,7 +413,7 @@ def test_docker_activation_for_agent_and_grader_and_missing_python(request):
 
 
 def test_env_errors_counted_by_reason():
-    from rl.setup import rollout_metrics
+    from rl.metrics import rollout_metrics
     from rl.types import Trajectory
 
     errors = ["tests never ran [collection_failed]: E   ImportError", "SandboxError: gone",

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from configs import common
-from env.episode import Episode, sandbox_factory
+from env.episode import Episode
 from env.latency import LatencyModel, from_config
 from env.miniswe import generate_tasks
+from env.sandbox import SandboxFactory
 
 
 def test_off_by_default():
@@ -66,7 +67,7 @@ def test_an_episode_sleeps_before_each_tool_call():
 
     task = generate_tasks(1, seed=5)[0]
     view = {"name": "file_editor", "arguments": {"command": "view", "path": "."}}
-    with Episode(sandbox_factory("local", allow_unisolated=True), task,
+    with Episode(SandboxFactory("local", allow_unisolated=True), task,
                  call_delay=delay) as episode:
         episode.reset()
         t0, cpu0 = time.perf_counter(), time.process_time()

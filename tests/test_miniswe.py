@@ -16,11 +16,12 @@ import pytest
 from sandbox_backends import BACKENDS, backend_factory
 
 from bench.miniswe import sweep
-from env.episode import sandbox_factory
-from env.grading import grade, parse_unittest
+from env.grading import grade
+from env.logparsers import parse_unittest
 from env.miniswe import TEST_RUN, expert_demo, generate_tasks
+from env.sandbox import SandboxFactory
 from env.tools import parse_tool_call
-from rl.setup import expert_actions_text
+from rl.sft import expert_actions_text
 
 RUN_EACH = """
 import json, sys, unittest
@@ -72,7 +73,7 @@ def test_generation_is_deterministic_and_tiny():
 def test_grading_reads_each_test_as_the_host_runs_it(tmp_path):
     """mini-SWE goes through env.grading: the unittest log's per-test statuses equal the
     host's own run of each test, untouched and with the gold patch."""
-    factory = sandbox_factory("local")
+    factory = SandboxFactory("local")
     for task in generate_tasks(4, seed=11):
         assert task.log_parser == "unittest"
         for patch, reward in (("", 0.0), (task.gold_patch, 1.0)):

@@ -23,9 +23,10 @@ import tempfile
 import pytest
 from sandbox_backends import BACKENDS, docker_defaults, ensure_image, world_readable
 
-from env.episode import Episode, sandbox_factory
+from env.episode import Episode
 from env.grading import GradeCache, grade, grade_patch
 from env.miniswe import generate_tasks
+from env.sandbox import SandboxFactory
 from env.sandbox.local import LocalLimits
 from env.sandbox.pool import SandboxPool
 from env.swebench import patch_paths
@@ -59,8 +60,8 @@ def factory_for(request, backend: str, image: str | None = None, read_only: tupl
     """read_only: host paths a local sandbox sees besides the toolchain."""
     if backend == "docker":
         defaults = docker_defaults(request)
-        return sandbox_factory("docker", **{**defaults, "image": image or defaults["image"]})
-    return sandbox_factory("local", limits=LocalLimits(memory_bytes=1 << 30), read_only=read_only)
+        return SandboxFactory("docker", **{**defaults, "image": image or defaults["image"]})
+    return SandboxFactory("local", limits=LocalLimits(memory_bytes=1 << 30), read_only=read_only)
 
 
 def run_episode(factory, task: Task, commands: list[str], grading: str,
@@ -443,7 +444,7 @@ def assert_only_base(sandbox, base: str, later: list[str]) -> None:
 def test_local_repositories_hold_no_later_commit(later_history):
     root, base, later = later_history
     git(root, "show", later[0])  # (the reference: there, it is)
-    with sandbox_factory("local")(Task("h", "x", repo_dir=root, base_commit=base)) as sb:
+    with SandboxFactory("local")(Task("h", "x", repo_dir=root, base_commit=base)) as sb:
         assert_only_base(sb, base, later)
 
 
@@ -476,7 +477,7 @@ def test_docker_repositories_hold_no_later_commit(request, later_history, tmp_pa
     defaults = docker_defaults(request)
     try:
         for image in (built, whole):
-            with sandbox_factory("docker", **{**defaults, "image": image})(
+            with SandboxFactory("docker", **{**defaults, "image": image})(
                     Task("h", "x", image=image, base_commit=base)) as sb:
                 assert_only_base(sb, base, later)
     finally:

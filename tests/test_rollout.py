@@ -9,19 +9,21 @@ import dataclasses
 import hashlib
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
 from configs.common import learner_defaults
 from env import episode as episode_lib
-from env import miniswe
+from env import miniswe, sandbox
 from inference.embedded import EmbeddedEngine
 from inference.engine import Engine
 from models.qwen3 import Qwen3, Qwen3Config
 from models.tokenizer import render_chat, train_bpe
-from rl import prefix, setup
+from rl import prefix, sft
 from rl.learner import init_train_state, make_train_step
+from rl.metrics import rollout_metrics
 from rl.rollout import Agent, RolloutConfig, RolloutJob, StreamCollector, collect_groups
 
 TASKS = miniswe.generate_tasks(6, seed=7, difficulties=(0, 1))
@@ -49,7 +51,7 @@ class RecordingEngine(Engine):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return train_bpe(setup.tokenizer_corpus(TASKS), 600)
+    return train_bpe(sft.tokenizer_corpus(TASKS), 600)
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +63,9 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def factory():
-    return setup.sandbox_factory(type("E", (), {"backend": "local", "image": "",
-                                                "local_allow_unisolated": False,
-                                                "local_read_only": ()})())
+    return sandbox.from_config(ml_collections.ConfigDict(
+        {"backend": "local", "image": "", "local_allow_unisolated": False,
+         "local_read_only": ()}))
 
 
 def make_agent(model, tokenizer, factory, **cfg):
@@ -93,7 +95,7 @@ def test_expert_demonstration_token_accounting(model, tokenizer, factory):
     agent = make_agent(model, tokenizer, factory, max_steps=8, max_response_tokens=2000,
                        max_turn_tokens=400, max_context=4096)
     task = TASKS[0]
-    actions = setup.expert_actions_text(miniswe.expert_demo(task))
+    actions = sft.expert_actions_text(miniswe.expert_demo(task))
     traj = asyncio.run(agent.demonstrate(task, actions))
     assert traj.status == "finished" and traj.reward == 1.0
     ids, mask, logp = traj.token_arrays()
@@ -138,10 +140,11 @@ def test_token_budget_ends_in_truncated(model, tokenizer, factory):
 
 
 def test_sandbox_failure_is_env_error_not_reward_zero(model, tokenizer):
-    def broken(task):
-        raise episode_lib.SandboxError("daemon unreachable")
+    class Broken(sandbox.SandboxFactory):
+        def __call__(self, task):
+            raise episode_lib.SandboxError("daemon unreachable")
 
-    agent = make_agent(model, tokenizer, broken, env_retries=2)
+    agent = make_agent(model, tokenizer, Broken("local"), env_retries=2)
     traj = asyncio.run(agent.run(RolloutJob(TASKS[0])))
     assert traj.status == "env_error" and traj.reward is None
     assert "daemon unreachable" in traj.error
@@ -157,7 +160,7 @@ def test_prefix_replay_restores_files_prompt_and_masks(model, tokenizer, factory
                        max_turn_tokens=400, max_context=4096)
     task = next(t for t in TASKS if t.difficulty == 1)
     demo = miniswe.expert_demo(task)
-    source = asyncio.run(agent.demonstrate(task, setup.expert_actions_text(demo)))
+    source = asyncio.run(agent.demonstrate(task, sft.expert_actions_text(demo)))
     assert source.num_steps >= 4
     k = 3
     ptask = prefix.make_prefix_task(source, k, "too_hard", step=0)
@@ -197,7 +200,7 @@ def test_replayed_tokens_do_not_influence_the_update(model, tokenizer, factory):
                        max_turn_tokens=200, max_context=2048)
     task = TASKS[0]
     source = asyncio.run(agent.demonstrate(
-        task, setup.expert_actions_text(miniswe.expert_demo(task))))
+        task, sft.expert_actions_text(miniswe.expert_demo(task))))
     ptask = prefix.make_prefix_task(source, 2, "too_easy", step=0)
     cont = asyncio.run(agent.run(RolloutJob(task, prefix=ptask, seed=2)))
     perturbed = dataclasses.replace(cont, turns=[
@@ -364,15 +367,16 @@ def test_any_exception_of_one_episode_is_its_env_error_and_never_fails_collectio
     `error`; the other rollouts of the collection are scored as usual."""
     bad_row = dataclasses.replace(TASKS[1], instance_id="bad-row", repo_files=None)
 
-    def exploding(task):
-        sandbox = factory(task)
-        if task.instance_id == TASKS[2].instance_id:
-            def run(*args, **kwargs):
-                raise RuntimeError("boom in the sandbox")
-            sandbox.run = run
-        return sandbox
+    class Exploding(sandbox.SandboxFactory):
+        def __call__(self, task):
+            box = factory(task)
+            if task.instance_id == TASKS[2].instance_id:
+                def run(*args, **kwargs):
+                    raise RuntimeError("boom in the sandbox")
+                box.run = run
+            return box
 
-    agent = make_agent(model, tokenizer, exploding, max_steps=2, env_retries=0)
+    agent = make_agent(model, tokenizer, Exploding("local"), max_steps=2, env_retries=0)
     jobs = [RolloutJob(TASKS[0], seed=1), RolloutJob(bad_row), RolloutJob(TASKS[2])]
     demo = asyncio.run(agent.demonstrate(TASKS[2], ['<tool_call>{"name": "execute_bash", '
                                                     '"arguments": {"command": "ls"}}'
@@ -384,7 +388,7 @@ def test_any_exception_of_one_episode_is_its_env_error_and_never_fails_collectio
     assert all(t.is_env_error and t.reward is None for t in bad + boom)
     assert all(t.error.startswith("ValueError: ") and "only an image" in t.error for t in bad)
     assert agent.pool.live == 0
-    metrics = setup.rollout_metrics([t for g in groups for t in g], groups)
+    metrics = rollout_metrics([t for g in groups for t in g], groups)
     assert metrics["rollout/env_errors"] == 4
 
 
@@ -396,7 +400,7 @@ def test_rollouts_grade_the_patch_in_a_fresh_sandbox(model, tokenizer, factory):
     task = miniswe.generate_tasks(1, seed=3)[0]
     calls = [{"name": "execute_bash", "arguments": {"command": c}}
              for c in (fixed_copy(task), USER_HACKS["user_pth"])]
-    actions = setup.expert_actions_text([*calls, {"name": "finish", "arguments": {}}])
+    actions = sft.expert_actions_text([*calls, {"name": "finish", "arguments": {}}])
     rewards = {}
     for grading in ("fresh", "in_place"):
         agent = make_agent(model, tokenizer, factory, max_steps=8, max_turn_tokens=600,

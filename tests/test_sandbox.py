@@ -24,10 +24,9 @@ import time
 import pytest
 from sandbox_backends import IMAGE, ROOT, ensure_image
 
-from env.episode import sandbox_factory
-from env.sandbox import SandboxError, cgroup, fsread, make_sandbox
+from env.sandbox import FACTORY_LABEL, SandboxError, SandboxFactory, cgroup, fsread
 from env.sandbox.local import LocalLimits, LocalSandbox, reap_stale, uid_processes
-from env.sandbox.pool import POOL_LABEL, SandboxPool, make_pool
+from env.sandbox.pool import SandboxPool
 
 FILES = {
     "calc.py": "def add(a, b):\n    return a - b\n",
@@ -63,7 +62,7 @@ def make(request):
     made = []
 
     def factory(**kwargs):
-        sandbox = make_sandbox(request.param, **{**defaults, **kwargs})
+        sandbox = SandboxFactory(request.param).create(**{**defaults, **kwargs})
         made.append(sandbox)
         return sandbox
 
@@ -421,7 +420,7 @@ def test_close_kills_running_command_and_removes_everything(make):
 
 def test_local_scrubbed_environment(monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "hunter2")
-    with make_sandbox("local", repo_files=FILES) as sb:
+    with SandboxFactory("local").create(repo_files=FILES) as sb:
         env = sb.run("env").output
         assert "hunter2" not in env and "LANG=C.UTF-8" in env
         assert f"HOME={sb.root}/home" in env
@@ -442,7 +441,7 @@ def test_local_root_holds_only_the_sandbox_toolchain_and_read_only_paths(isolate
     with open("/etc/passwd") as f:
         host_users = {line.split(":")[0] for line in f if line.strip()}
     assert host_users - {"root", "nobody"}, "the host has accounts besides root and nobody"
-    with make_sandbox("local", repo_files=FILES, read_only=[str(shared)]) as sb:
+    with LocalSandbox(repo_files=FILES, read_only=[str(shared)]) as sb:
         links = f"ln -s /etc/passwd p && ln -s {secret}/f.txt s && ln -s {shared}/f.txt v"
         assert sb.run(links).exit_code == 0
         users = {line.split(":")[0] for line in sb.read_file("p").splitlines()}
@@ -459,7 +458,7 @@ def test_local_root_holds_only_the_sandbox_toolchain_and_read_only_paths(isolate
         assert sb.run("whoami").output.strip() == "sandbox"
     for bad in (["relative/dir"], ["/"], "/opt"):
         with pytest.raises(ValueError, match="read_only"):
-            make_sandbox("local", repo_files=FILES, read_only=bad)
+            LocalSandbox(repo_files=FILES, read_only=bad)
 
 
 def test_local_total_memory_bound_ends_a_command_not_the_sandbox(memory_cgroups):
@@ -468,7 +467,7 @@ def test_local_total_memory_bound_ends_a_command_not_the_sandbox(memory_cgroups)
     alone runs. Without the cgroup all three would run (sum 360 MiB)."""
     hold = "python3 -c 'b = bytearray(120 << 20); import time; time.sleep(2); print(\"held\")'"
     limits = LocalLimits(memory_bytes=1 << 30, total_memory_bytes=300 << 20)
-    with make_sandbox("local", repo_files=FILES, limits=limits) as sb:
+    with LocalSandbox(repo_files=FILES, limits=limits) as sb:
         group = sb._memory.path
         result = sb.run(f"for i in 1 2 3; do {hold} & done; wait")
         held = result.output.splitlines().count("held")
@@ -480,16 +479,16 @@ def test_local_total_memory_bound_ends_a_command_not_the_sandbox(memory_cgroups)
 
 def test_local_from_repo_dir_at_base_commit(tmp_path):
     src = tmp_path / "src"
-    with make_sandbox("local", repo_files=FILES) as first:
+    with SandboxFactory("local").create(repo_files=FILES) as first:
         first.write_file("calc.py", "changed\n")
         first.run("git add -A && git commit -qm second")
         subprocess.run(["cp", "-r", first.repo, str(src)], check=True)
         base = first.base_commit
-    with make_sandbox("local", repo_dir=str(src), base_commit=base) as sb:
+    with SandboxFactory("local").create(repo_dir=str(src), base_commit=base) as sb:
         assert sb.read_file("calc.py") == FILES["calc.py"]
         assert sb.base_commit == base and sb.patch() == ""
     with pytest.raises(ValueError, match="cannot check out"):
-        make_sandbox("local", repo_dir=str(src), base_commit="0" * 40)
+        SandboxFactory("local").create(repo_dir=str(src), base_commit="0" * 40)
 
 
 @pytest.fixture
@@ -507,8 +506,9 @@ def test_local_reap_stale_removes_only_sandboxes_of_exited_owners(open_tmp):
     script = textwrap.dedent(f"""
         import os, signal, sys, threading
         sys.path.insert(0, {ROOT!r})
-        from env.sandbox import make_sandbox
-        sb = make_sandbox("local", repo_files={{"a.py": "x = 1\\n"}}, root_dir={str(tmp_path)!r})
+        from env.sandbox import SandboxFactory
+        sb = SandboxFactory("local").create(repo_files={{"a.py": "x = 1\\n"}},
+                                            root_dir={str(tmp_path)!r})
         threading.Thread(target=sb.run, args=("sleep 60",), daemon=True).start()
         print(sb.root, sb._uid, flush=True)
         threading.Event().wait(1.0)
@@ -521,7 +521,7 @@ def test_local_reap_stale_removes_only_sandboxes_of_exited_owners(open_tmp):
     assert os.path.isdir(dead_root)
     foreign = tmp_path / "sandbox-foreign"  # no owner record: not ours to remove
     foreign.mkdir()
-    with make_sandbox("local", repo_files=FILES, root_dir=str(tmp_path)) as live:
+    with SandboxFactory("local").create(repo_files=FILES, root_dir=str(tmp_path)) as live:
         reused = tmp_path / "sandbox-reused"  # this pid, but a process started at tick 0
         reused.mkdir()
         (reused / ".owner").write_text(json.dumps({"owner": f"{os.getpid()}:0"}))
@@ -575,7 +575,7 @@ def server_pid(sb) -> int:
 
 def test_local_limits_hold_for_every_command():
     limits = LocalLimits(cpu_seconds=1, memory_bytes=1 << 30, max_processes=64)
-    with make_sandbox("local", repo_files=FILES, limits=limits) as sb:
+    with SandboxFactory("local").create(repo_files=FILES, limits=limits) as sb:
         for _ in range(2):  # the same limits for a later command of the same supervisor
             assert sb.run("ulimit -t; ulimit -v; ulimit -u").output.split() == [
                 "1", str((1 << 30) // 1024), "64"]
@@ -587,7 +587,7 @@ def test_local_limits_hold_for_every_command():
 def test_local_command_text_reaches_bash_whole():
     """Short scripts go to bash through argv, long ones (or with a NUL) through a memfd:
     both run the same text."""
-    with make_sandbox("local", repo_files=FILES) as sb:
+    with SandboxFactory("local").create(repo_files=FILES) as sb:
         for filler in ("", "☃" * 40_000):  # 120 KB of UTF-8: over the argv path's size
             res = sb.run(f": '{filler}'\nprintf '%s|' \"$0\" done\nfoo_missing\nexit 7")
             assert res.exit_code == 7 and res.output.startswith("bash|done|"), res.output[:200]
@@ -597,7 +597,7 @@ def test_local_command_text_reaches_bash_whole():
 
 
 def test_local_commands_cannot_kill_the_supervisor():
-    with make_sandbox("local", repo_files=FILES) as sb:
+    with SandboxFactory("local").create(repo_files=FILES) as sb:
         assert sb.isolated and sb._uid is not None
         res = sb.run("kill -9 1; echo rc=$?; kill -9 $PPID; echo rc=$?; kill -9 -1; echo rc=$?")
         assert res.output.count("Operation not permitted") == 2, res.output
@@ -606,7 +606,7 @@ def test_local_commands_cannot_kill_the_supervisor():
 
 
 def test_local_background_children_are_killed_after_each_command():
-    with make_sandbox("local", repo_files=FILES) as sb:
+    with SandboxFactory("local").create(repo_files=FILES) as sb:
         sleep = marker_sleep()
         res = sb.run(f"setsid nohup {sleep} >/dev/null 2>&1 & disown; "
                      f"(trap '' HUP TERM; {sleep} &) & echo started")
@@ -619,7 +619,7 @@ def test_local_background_children_are_killed_after_each_command():
 
 @pytest.mark.parametrize("victim", ["group", "server"])
 def test_local_supervisor_killed_mid_command_is_an_infrastructure_error(victim):
-    with make_sandbox("local", repo_files=FILES) as sb:
+    with SandboxFactory("local").create(repo_files=FILES) as sb:
         sleep = marker_sleep()
         thread, result = run_in_background(sb, f"{sleep} & {sleep}", sleep, 2)
         if victim == "group":  # as `kill -9 -PGID` of the supervisor would
@@ -642,7 +642,7 @@ def test_local_supervisor_dying_between_commands_ends_the_episode_as_env_error()
     from env.tasks import Task
 
     task = Task("dies", "test repo", repo_files=FILES)
-    with Episode(sandbox_factory("local"), task) as ep:
+    with Episode(SandboxFactory("local"), task) as ep:
         ep.reset()
         assert ep.step({"name": "execute_bash", "arguments": {"command": "echo hi"}}) == (
             "hi", False)
@@ -666,7 +666,7 @@ def test_local_supervisors_are_forked_by_one_fork_server_and_reaped():
     fork server is replaced at the next sandbox, and the sandboxes it forked run on."""
     from env.sandbox import supervisor
 
-    boxes = [make_sandbox("local", repo_files=FILES) for _ in range(3)]
+    boxes = [SandboxFactory("local").create(repo_files=FILES) for _ in range(3)]
     try:
         server = supervisor._fork_server().proc
         pids = [sb._supervisor.proc.pid for sb in boxes]
@@ -676,7 +676,7 @@ def test_local_supervisors_are_forked_by_one_fork_server_and_reaped():
         server.kill()
         server.wait(10)
         assert boxes[0].run("echo still").output == "still\n"
-        boxes.append(make_sandbox("local", repo_files=FILES))
+        boxes.append(SandboxFactory("local").create(repo_files=FILES))
         replacement = supervisor._fork_server().proc
         assert replacement.pid != server.pid and replacement.poll() is None
         assert parent_pid(boxes[-1]._supervisor.proc.pid) == replacement.pid
@@ -715,8 +715,9 @@ def test_local_supervisor_ends_with_its_owner(open_tmp):
     script = textwrap.dedent(f"""
         import os, signal, sys, threading, time
         sys.path.insert(0, {ROOT!r})
-        from env.sandbox import make_sandbox
-        sb = make_sandbox("local", repo_files={{"a.py": "x = 1\\n"}}, root_dir={str(open_tmp)!r})
+        from env.sandbox import SandboxFactory
+        sb = SandboxFactory("local").create(repo_files={{"a.py": "x = 1\\n"}},
+                                            root_dir={str(open_tmp)!r})
         threading.Thread(target=sb.run, args=({sleep!r},), daemon=True).start()
         print(sb._supervisor.proc.pid, sb._uid, flush=True)
         while not os.popen("pgrep -f '^{sleep}$'").read():
@@ -745,7 +746,7 @@ def running(pid: int) -> bool:
 
 
 def test_local_concurrent_sandboxes_and_commands_stay_apart():
-    sandboxes = [make_sandbox("local", repo_files={"id.txt": f"{i}\n"}) for i in range(6)]
+    sandboxes = [SandboxFactory("local").create(repo_files={"id.txt": f"{i}\n"}) for i in range(6)]
     try:
         def work(i):
             sb = sandboxes[i]
@@ -778,7 +779,7 @@ def test_local_concurrent_sandboxes_and_commands_stay_apart():
 @pytest.fixture
 def docker_sb(docker_image):
     client, image = docker_image
-    sb = make_sandbox("docker", image=image, client=client, repo_files=FILES)
+    sb = SandboxFactory("docker").create(image=image, client=client, repo_files=FILES)
     yield client, sb
     sb.close()
 
@@ -803,7 +804,7 @@ def test_docker_killed_container_is_an_infrastructure_error(docker_sb):
 def test_docker_container_killed_mid_command_is_an_infrastructure_error(docker_image):
     client, image = docker_image
     for how in ("kill", "remove"):
-        sb = make_sandbox("docker", image=image, client=client, repo_files=FILES)
+        sb = SandboxFactory("docker").create(image=image, client=client, repo_files=FILES)
         assert sb.run("kill -9 $$").exit_code == 137  # a command's own signal: a result
         sleep = marker_sleep()
 
@@ -829,17 +830,18 @@ def test_docker_container_killed_mid_command_is_an_infrastructure_error(docker_i
 
 def test_docker_repository_from_the_image(docker_image):
     client, image = docker_image
-    with make_sandbox("docker", image=image, client=client, repo_files=FILES) as first:
+    with SandboxFactory("docker").create(image=image, client=client, repo_files=FILES) as first:
         first.write_file("calc.py", "changed\n")
         first.run("git add -A && git -c user.name=a -c user.email=a@b commit -qm second")
         base = first.base_commit
         container = client.containers.get(first.container_id)
         tagged = container.commit(repository="swe-sandbox-test-repo", tag=secrets.token_hex(4))
     try:
-        with make_sandbox("docker", image=tagged.id, client=client, base_commit=base) as sb:
+        with SandboxFactory("docker").create(image=tagged.id, client=client,
+                                             base_commit=base) as sb:
             assert sb.read_file("calc.py") == FILES["calc.py"] and sb.patch() == ""
         with pytest.raises(ValueError, match="workdir|does not exist"):
-            make_sandbox("docker", image=tagged.id, client=client, workdir="/nowhere")
+            SandboxFactory("docker").create(image=tagged.id, client=client, workdir="/nowhere")
     finally:
         client.images.remove(tagged.id, force=True)
 
@@ -848,7 +850,7 @@ def test_docker_repository_from_the_image(docker_image):
 def test_unreachable_daemon_is_a_clear_sandbox_error(monkeypatch, host):
     monkeypatch.setenv("DOCKER_HOST", host)
     with pytest.raises(SandboxError, match=host.replace(".", r"\.")):
-        make_sandbox("docker", image=IMAGE)
+        SandboxFactory("docker").create(image=IMAGE)
 
 
 # -- pool -----------------------------------------------------------------------------
@@ -857,15 +859,16 @@ def test_unreachable_daemon_is_a_clear_sandbox_error(monkeypatch, host):
 def pool_for(backend, request, max_concurrent):
     if backend == "docker":
         client, image = request.getfixturevalue("docker_image")
-        return make_pool("docker", max_concurrent, image=image, client=client), client
-    return make_pool("local", max_concurrent), None
+        return SandboxPool(SandboxFactory("docker", image=image, client=client),
+                           max_concurrent), client
+    return SandboxPool(SandboxFactory("local"), max_concurrent), None
 
 
 def leftovers(pool, client, sandboxes, marker):
     containers = []
     if client is not None:
         containers = client.containers.list(all=True,
-                                            filters={"label": f"{POOL_LABEL}={pool.id}"})
+                                            filters={"label": f"{FACTORY_LABEL}={pool.factory.id}"})
     dirs = [sb.root for sb in sandboxes if hasattr(sb, "root") and os.path.exists(sb.root)]
     return containers, host_processes(marker), dirs
 
@@ -930,11 +933,15 @@ def test_pool_slot_stays_taken_until_a_cancelled_creation_is_closed():
     gate = threading.Event()
     events = []
 
+    class Recorded(SandboxFactory):
+        def __call__(self, spec):
+            return factory(spec)
+
     def factory(spec):
         events.append(f"create {spec}")
         if spec == "a":
             gate.wait(30)
-        sandbox = make_sandbox("local", repo_files=FILES)
+        sandbox = SandboxFactory("local").create(repo_files=FILES)
         close = sandbox.close
 
         def recorded_close():
@@ -944,7 +951,7 @@ def test_pool_slot_stays_taken_until_a_cancelled_creation_is_closed():
         sandbox.close = recorded_close
         return sandbox
 
-    pool = SandboxPool(factory, max_concurrent=1)
+    pool = SandboxPool(Recorded("local"), max_concurrent=1)
 
     async def use(spec):
         async with pool.acquire(spec):
@@ -972,12 +979,14 @@ def test_pool_slot_stays_taken_until_a_cancelled_creation_is_closed():
 def test_pool_retries_transient_creation_errors():
     failures = []
 
-    def flaky(spec):
-        if len(failures) < 2:
-            failures.append(1)
-            raise SandboxError("engine busy")
-        return make_sandbox("local", repo_files=spec)
+    class Flaky(SandboxFactory):
+        def __call__(self, spec):
+            if len(failures) < 2:
+                failures.append(1)
+                raise SandboxError("engine busy")
+            return self.create(repo_files=spec)
 
+    flaky = Flaky("local")
     pool = SandboxPool(flaky, max_concurrent=1, backoff_s=0.01)
 
     async def main():
@@ -1004,12 +1013,13 @@ def test_pool_closes_everything_on_signals(backend, signum, request, tmp_path):
         import asyncio, signal, sys
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        from env.sandbox.pool import make_pool
-        pool = make_pool({backend!r}, 2, {args})
+        from env.sandbox import SandboxFactory
+        from env.sandbox.pool import SandboxPool
+        pool = SandboxPool(SandboxFactory({backend!r}, {args}), 2)
 
         async def episode():
             async with pool.acquire({{"repo_files": {{"a": "b"}}}}) as sb:
-                print(pool.id, getattr(sb, "root", ""), flush=True)
+                print(pool.factory.id, getattr(sb, "root", ""), flush=True)
                 await pool.call(sb.run, {sleep!r}, 60)
 
         async def main():
@@ -1037,7 +1047,8 @@ def test_pool_closes_everything_on_signals(backend, signum, request, tmp_path):
     assert host_processes(sleep) == []
     if backend == "docker":
         client = request.getfixturevalue("docker_client")
-        assert client.containers.list(all=True, filters={"label": f"{POOL_LABEL}={pool_id}"}) == []
+        assert client.containers.list(
+            all=True, filters={"label": f"{FACTORY_LABEL}={pool_id}"}) == []
     else:
         assert not any(os.path.exists(line[1]) for line in lines)
 
@@ -1074,8 +1085,9 @@ def test_sigterm_while_the_main_thread_holds_the_pools_executor_lock(tmp_path):
     script.write_text(textwrap.dedent("""\
         import asyncio, os, signal, sys, time
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        from env.sandbox.pool import make_pool
-        pool = make_pool("local", 2)
+        from env.sandbox import SandboxFactory
+        from env.sandbox.pool import SandboxPool
+        pool = SandboxPool(SandboxFactory("local"), 2)
 
         async def main():
             async with pool.acquire({"repo_files": {"a": "b"}}) as sb:

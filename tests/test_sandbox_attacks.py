@@ -16,7 +16,8 @@ import uuid
 import pytest
 from sandbox_backends import BACKENDS, docker_defaults
 
-from env.episode import Episode, sandbox_factory
+from env.episode import Episode
+from env.sandbox import SandboxFactory
 from env.sandbox.local import IsolationUnavailable, LocalLimits, LocalSandbox
 from env.tasks import Task
 from models.tokenizer import render_tool_call
@@ -29,9 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def factory_for(request, backend, **overrides):
     if backend == "docker":
-        return sandbox_factory("docker", **{**docker_defaults(request),
+        return SandboxFactory("docker", **{**docker_defaults(request),
                                             "file_size_bytes": FILE_CAP, **overrides})
-    return sandbox_factory("local", limits=LocalLimits(memory_bytes=1 << 30,
+    return SandboxFactory("local", limits=LocalLimits(memory_bytes=1 << 30,
                                                        file_size_bytes=FILE_CAP), **overrides)
 
 
@@ -82,7 +83,7 @@ def test_a_64mb_file_ends_the_episode_without_reading_its_patch(episode):
 def test_local_disk_quota_bounds_the_sandbox():
     """The command sees ENOSPC; the patch that follows cannot be written either, so
     the episode ends as env_error naming it."""
-    with Episode(sandbox_factory("local", limits=LocalLimits(file_size_bytes=FILE_CAP),
+    with Episode(SandboxFactory("local", limits=LocalLimits(file_size_bytes=FILE_CAP),
                                  disk_bytes=48 << 20), TASK) as ep:
         ep.reset()
         out = ep.sandbox.run("head -c 30M /dev/zero > a; head -c 30M /dev/zero > b; "

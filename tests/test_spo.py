@@ -22,7 +22,7 @@ from rl.spo import (
 def seed_values(successes, d_over_dhalf, rewards):
     """Seed 002 protocol: n0 = 8 offline samples, constant D, v read after each update."""
     tracker = BetaTracker()
-    tracker.init_offline(["p"], [successes], n0=8)
+    tracker.init_offline(["p"], [successes], n0=8, form="paper")
     out = []
     for r in rewards:
         rho = tracker.update(["p"], [r], D=[d_over_dhalf * 0.06])
@@ -42,15 +42,15 @@ def test_seed_group_b():
 
 
 def test_offline_prior_forms():
-    a, b = offline_prior([0, 2, 8], n0=8)
+    a, b = offline_prior([0, 2, 8], n0=8, rho_min=0.875, form="paper")
     assert a.tolist() == [0.0, 2.0, 8.0] and b.tolist() == [8.0, 6.0, 0.0]
-    a, b = offline_prior([2], n0=8, form="reference")
+    a, b = offline_prior([2], n0=8, rho_min=0.875, form="reference")
     assert a[0] == pytest.approx(8 * 2.5 / 9) and b[0] == pytest.approx(8 * 6.5 / 9)
-    assert offline_prior([1], n0=4, rho_min=0.5)[0][0] == 0.5        # N0 = 2
+    assert offline_prior([1], n0=4, rho_min=0.5, form="paper")[0][0] == 0.5        # N0 = 2
     with pytest.raises(ValueError, match="successes"):
-        offline_prior([9], n0=8)
+        offline_prior([9], n0=8, rho_min=0.875, form="paper")
     with pytest.raises(ValueError, match="form"):
-        offline_prior([1], n0=8, form="half")
+        offline_prior([1], n0=8, rho_min=0.875, form="half")
 
 
 def loop_update(state, ids, rewards, rhos):
@@ -64,7 +64,7 @@ def test_vectorised_update_equals_sequential_loop():
     rng = np.random.default_rng(0)
     pool = [f"task{i}" for i in range(40)]
     tracker = BetaTracker(capacity=4)
-    tracker.init_offline(pool[:10], rng.integers(0, 9, 10), n0=8)
+    tracker.init_offline(pool[:10], rng.integers(0, 9, 10), n0=8, form="paper")
     ref = {t: [tracker.alpha[i], tracker.beta[i]] for i, t in enumerate(pool[:10])}
     for _ in range(30):
         ids = [pool[i] for i in rng.integers(0, len(pool), rng.integers(1, 64))]
@@ -155,7 +155,7 @@ def test_spo_advantages_hand_values():
 def test_sampler_weights_and_frequencies():
     tracker = BetaTracker()
     pool = ["a", "b", "c", "d"]
-    tracker.init_offline(pool, [4, 2, 6, 0], n0=8)    # v = 0.5, 0.25, 0.75, 0
+    tracker.init_offline(pool, [4, 2, 6, 0], n0=8, form="paper")    # v = 0.5, 0.25, 0.75, 0
     sampler = PrioritizedSampler(tracker, seed=0, replace=True)
     w = sampler.weights(pool)
     q = math.sqrt(0.25 * 0.75) + 0.05
@@ -168,7 +168,7 @@ def test_sampler_weights_and_frequencies():
 def test_sampler_without_replacement():
     tracker = BetaTracker()
     pool = ["a", "b", "c", "d"]
-    tracker.init_offline(pool, [4, 2, 6, 0], n0=8)
+    tracker.init_offline(pool, [4, 2, 6, 0], n0=8, form="paper")
     sampler = PrioritizedSampler(tracker, seed=1)
     w = sampler.weights(pool)
     firsts = []

@@ -1,7 +1,7 @@
 """120 episodes with random kills leave zero containers and zero stray processes.
 
 Generated mini-SWE tasks (difficulty 0) run as env.episode.Episode through a
-`make_pool` pool, CONCURRENCY at a time. A seeded plan gives every episode a kind:
+`SandboxPool`, CONCURRENCY at a time. A seeded plan gives every episode a kind:
 
   normal    fix the bug (str_replace), finish: status finished, the fix in the patch;
             GRADED of them also run the tests: reward 1.0
@@ -40,10 +40,11 @@ import time
 import pytest
 from sandbox_backends import BACKENDS, docker_defaults
 
-from env.episode import Episode, sandbox_spec
+from env.episode import Episode
 from env.miniswe import generate_tasks
+from env.sandbox import FACTORY_LABEL, SandboxFactory, sandbox_spec
 from env.sandbox.local import LocalLimits, LocalSandbox
-from env.sandbox.pool import POOL_LABEL, make_pool
+from env.sandbox.pool import SandboxPool
 
 N_EPISODES = 120
 CONCURRENCY = 16
@@ -158,11 +159,12 @@ def strays(before: set[int], marker: str, uids: set[int],
 
 
 def pool_containers(client, pool, *labels: str) -> list:
-    """Containers (running or not) carrying the pool's label (and `labels`); none on local."""
+    """Containers (running or not) carrying the pool factory's label (and `labels`); none on
+    local."""
     if client is None:
         return []
-    return client.containers.list(all=True,
-                                  filters={"label": [f"{POOL_LABEL}={pool.id}", *labels]})
+    return client.containers.list(
+        all=True, filters={"label": [f"{FACTORY_LABEL}={pool.factory.id}", *labels]})
 
 
 async def eventually(check, timeout: float = 15.0):
@@ -192,13 +194,14 @@ def test_stress_random_kills_leave_nothing_behind(backend, request):
         defaults = docker_defaults(request)  # skips, or fails under REQUIRE_ALL, without one
         # A client of its own: enough pooled connections for every pool and killer thread.
         client = docker.from_env(timeout=60, max_pool_size=4 * CONCURRENCY)
-        pool = make_pool("docker", CONCURRENCY, **{**defaults, "client": client})
+        pool = SandboxPool(SandboxFactory("docker", **{**defaults, "client": client}),
+                           CONCURRENCY)
     else:
         # Searchable by the sandboxes' own uids (LocalSandbox checks), unlike tmp_path.
         root_dir = tempfile.mkdtemp(prefix="stress-sandboxes-")
         os.chmod(root_dir, 0o755)
-        pool = make_pool("local", CONCURRENCY, limits=LocalLimits(memory_bytes=1 << 30),
-                         root_dir=root_dir)
+        pool = SandboxPool(SandboxFactory("local", limits=LocalLimits(memory_bytes=1 << 30),
+                                          root_dir=root_dir), CONCURRENCY)
     killers = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="killer")
     container_ids: set[str] = set()
     uids: set[int] = set()

@@ -107,14 +107,14 @@ def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path, mode)
     in flight across an update records the older one (and, aborted by it, is continued
     from its tokens so far)."""
     from env import miniswe
-    from env.episode import sandbox_factory
-    from rl import setup
+    from env.sandbox import SandboxFactory
+    from rl import sft
     from rl.rollout import Agent, RolloutConfig, RolloutJob, collect_groups
 
     weights = tmp_path / "w1"
     weights.mkdir()
     tasks = miniswe.generate_tasks(1, seed=3, difficulties=(0,))
-    tokenizer = train_bpe(setup.tokenizer_corpus(tasks), 400)
+    tokenizer = train_bpe(sft.tokenizer_corpus(tasks), 400)
     cfg = RolloutConfig(max_steps=2, max_turn_tokens=8, max_response_tokens=100,
                         max_context=4096, test_timeout_s=30.0)
 
@@ -128,7 +128,7 @@ def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path, mode)
         await updater.update_weights(str(weights))
         (after,) = await follower.generate([GenerateRequest([3, 4], 5)])
         (spanned,) = await spanning
-        agent = Agent(follower, tokenizer, sandbox_factory("local"), cfg,
+        agent = Agent(follower, tokenizer, SandboxFactory("local"), cfg,
                       max_concurrent_envs=1, tools_in_prompt=False)
         try:
             (group,) = await collect_groups(agent, [RolloutJob(tasks[0])], 1)
@@ -315,36 +315,36 @@ def test_learner_devices_restricted_to_the_rest():
 
 def test_dry_run_prints_disjoint_placement():
     """(Every recipe's placement is checked above; a dry run of each takes seconds.)"""
-    from rl import setup
+    from train import dry_run
 
-    summary = setup.dry_run(load_config("configs/grpo_swe.py"))
+    summary = dry_run(load_config("configs/grpo_swe.py"))
     place = summary["placement"]
     servers = {g for s in place["servers"] for g in s["gpus"]}
     assert servers and place["learner_gpus"] and not servers & set(place["learner_gpus"])
 
 
 def test_dry_run_refuses_context_above_the_models_limit():
-    from rl import setup
+    from train import dry_run
 
     config = load_config("configs/grpo_swe.py")
     apply_overrides(config, {"rollout.max_context": 65536, "engine.max_len": 65536,
                              "learner.row_buckets": (65536,)})
     with pytest.raises(ValueError, match=r"max_context \(65536\) exceeds the model's context "
                                          r"limit \(40960"):
-        setup.dry_run(config)
+        dry_run(config)
 
 
 def test_context_overflow_truncates_the_trajectory_and_the_run_goes_on():
     """A server whose context is shorter than rollout.max_context: the turn that would
     overflow ends its trajectory "truncated"; the other rollouts are unaffected."""
     from env import miniswe
-    from env.episode import sandbox_factory
-    from rl import setup
+    from env.sandbox import SandboxFactory
+    from rl import sft
     from rl.rollout import Agent, RolloutConfig, RolloutJob, collect_groups
 
     tasks = miniswe.generate_tasks(2, seed=7, difficulties=(0,))
-    tokenizer = train_bpe(setup.tokenizer_corpus(tasks), 400)
-    factory = sandbox_factory("local")
+    tokenizer = train_bpe(sft.tokenizer_corpus(tasks), 400)
+    factory = SandboxFactory("local")
     cfg = RolloutConfig(max_steps=3, max_turn_tokens=16, max_response_tokens=200,
                         max_context=4096, test_timeout_s=30.0)
 

@@ -72,7 +72,7 @@ def reap_exited_owners(client: docker.DockerClient) -> int:
 
 
 @dataclasses.dataclass(eq=False)
-class Engine:
+class DockerEngine:
     """One Docker engine of the fleet and what the fleet knows of it."""
 
     url: str
@@ -99,7 +99,7 @@ class DockerFleet:
             raise ValueError("a docker fleet needs at least one engine URL")
         if slots_per_engine < 1:
             raise ValueError(f"slots_per_engine must be >= 1, got {slots_per_engine}")
-        self.engines = [Engine(url, slots_per_engine) for url in hosts]
+        self.engines = [DockerEngine(url, slots_per_engine) for url in hosts]
         self.owner = owner_identity()
         self._defaults = sandbox_defaults
         self._timeout_s, self._wait_s, self._probe_s = timeout_s, wait_s, probe_s
@@ -146,7 +146,7 @@ class DockerFleet:
             sandbox.lost = f"docker engine {engine.url} is down"
         return sandbox
 
-    def _reserve(self) -> tuple[Engine, int]:
+    def _reserve(self) -> tuple[DockerEngine, int]:
         deadline = time.monotonic() + self._wait_s
         with self._cond:
             while True:
@@ -165,7 +165,7 @@ class DockerFleet:
                         f"({self._summary()})")
                 self._cond.wait(min(remaining, self._probe_s))
 
-    def _release(self, engine: Engine, token: int, failure: Exception | None = None) -> None:
+    def _release(self, engine: DockerEngine, token: int, failure: Exception | None = None) -> None:
         """Frees a slot (once per token). A sandbox that could not be removed counts as
         an error of its engine, which is marked down (the sandbox `lost`) if silent."""
         if failure is not None:
@@ -174,7 +174,7 @@ class DockerFleet:
             if engine.live.pop(token, False) is not False:
                 self._cond.notify()
 
-    def _failed(self, engine: Engine, error: Exception) -> None:
+    def _failed(self, engine: DockerEngine, error: Exception) -> None:
         """Counts a failed creation; the engine is down if it no longer answers."""
         with self._cond:
             engine.errors += 1
@@ -183,7 +183,7 @@ class DockerFleet:
 
     # -- engine states ----------------------------------------------------------------
 
-    def _ping(self, engine: Engine) -> bool:
+    def _ping(self, engine: DockerEngine) -> bool:
         try:
             with docker_errors("probing", engine.url):
                 ssh = engine.url.startswith("ssh://")  # through the ssh binary, no paramiko
@@ -200,7 +200,7 @@ class DockerFleet:
         except base.SandboxError:
             return False
 
-    def _probe(self, engine: Engine) -> None:
+    def _probe(self, engine: DockerEngine) -> None:
         """Pings one engine and moves it up or down accordingly."""
         answers = self._ping(engine)
         if answers and not engine.up:
@@ -213,7 +213,7 @@ class DockerFleet:
         elif not answers and engine.up:
             self._set_state(engine, up=False, why="does not answer its probe")
 
-    def _remove_own_stale(self, engine: Engine) -> int:
+    def _remove_own_stale(self, engine: DockerEngine) -> int:
         """Removes this fleet's containers on `engine` that belong to no live sandbox."""
         with docker_errors("listing containers", engine.url):
             ours = engine.client.api.containers(
@@ -225,7 +225,7 @@ class DockerFleet:
             _remove_container(engine.client, container_id, engine=engine.url)
         return len(stale)
 
-    def _set_state(self, engine: Engine, up: bool, why: str) -> None:
+    def _set_state(self, engine: DockerEngine, up: bool, why: str) -> None:
         with self._cond:
             if engine.up == up:
                 return

@@ -1,6 +1,6 @@
 """A bounded, leak-proof set of live sandboxes for asyncio rollouts.
 
-    pool = make_pool("docker", max_concurrent=8, image="swe-sandbox:test")
+    pool = SandboxPool(SandboxFactory("docker", image="swe-sandbox:test"), max_concurrent=8)
     async with pool:
         async with pool.acquire({"repo_files": files}) as sb:
             result = await pool.call(sb.run, "python3 -m unittest", 60)
@@ -8,8 +8,8 @@
 `acquire` waits for a free slot, creates the sandbox in a worker thread (retrying
 `SandboxError`, e.g. a busy engine, with exponential backoff) and closes it on exit
 from the block, whatever ends it. Every live sandbox is tracked; `close()` closes them
-all and runs `on_close` (for docker: remove any container labelled with this pool's
-id, covering one whose creation was cut short). All pools are also closed at
+all and closes the factory (for docker: removes any container of the factory, covering
+one whose creation was cut short). All pools are also closed at
 interpreter exit and on SIGTERM (then the process exits with 128 + 15, or the previous
 handler runs); Ctrl-C cancels `asyncio.run`'s tasks, whose `acquire` blocks close
 their sandboxes. A signal the process started with ignored stays ignored: under
@@ -29,36 +29,32 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from env.sandbox import make_sandbox
 from env.sandbox.base import Sandbox, SandboxError
-
-POOL_LABEL = "swe-rl.pool"
+from env.sandbox.factory import SandboxFactory
 
 
 class SandboxPool:
-    """Creates sandboxes with `factory(spec)`, at most `max_concurrent` alive at once.
+    """Creates sandboxes with `factory(spec)`, at most `max_concurrent` alive at once;
+    closing the pool closes the factory.
 
     Attributes:
-      id: unique id of this pool; `labels` = {POOL_LABEL: id} for factories to attach.
+      id: unique id of this pool.
       peak: the largest number of sandboxes that were alive at the same time.
     """
 
-    def __init__(self, factory: Callable[[Any], Sandbox], max_concurrent: int, *,
-                 retries: int = 3, backoff_s: float = 0.5,
-                 on_close: Callable[[], object] | None = None):
+    def __init__(self, factory: SandboxFactory, max_concurrent: int, *,
+                 retries: int = 3, backoff_s: float = 0.5):
         if max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
         self.id = uuid.uuid4().hex[:12]
-        self.labels = {POOL_LABEL: self.id}
+        self.factory = factory
         self.max_concurrent = max_concurrent
         self.peak = 0
-        self._factory = factory
         self._retries = retries
         self._backoff_s = backoff_s
-        self._on_close = on_close
         self._slots = asyncio.Semaphore(max_concurrent)
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=2 * max_concurrent, thread_name_prefix=f"sandbox-{self.id}")
@@ -78,7 +74,7 @@ class SandboxPool:
             if self._closed:
                 raise SandboxError("the sandbox pool is closed")
             try:
-                sandbox = self._factory(spec)
+                sandbox = self.factory(spec)
                 break
             except SandboxError:
                 if attempt == self._retries:
@@ -171,7 +167,7 @@ class SandboxPool:
     # -- teardown ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Closes every live sandbox, then runs `on_close`. Idempotent and thread-safe."""
+        """Closes every live sandbox, then the factory. Idempotent and thread-safe."""
         with self._lock:
             self._closed = True
             live = list(self._live.values())
@@ -181,8 +177,7 @@ class SandboxPool:
                 self._discard(sandbox)
             except Exception as e:  # noqa: BLE001 - close the others, then report
                 errors.append(e)
-        if self._on_close is not None:
-            self._on_close()
+        self.factory.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         if errors:
             raise SandboxError(f"{len(errors)} sandbox(es) failed to close: {errors[0]}")
@@ -192,34 +187,6 @@ class SandboxPool:
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
-
-
-def make_pool(backend: str, max_concurrent: int, *, retries: int = 3, backoff_s: float = 0.5,
-              **defaults: Any) -> SandboxPool:
-    """A pool of `make_sandbox(backend, **defaults, **spec)`; `spec` is a kwargs mapping.
-
-    Docker sandboxes get the pool's label, and closing the pool removes any container
-    carrying it.
-    """
-    holder: dict[str, SandboxPool] = {}
-
-    def factory(spec: Mapping[str, Any] | None) -> Sandbox:
-        kwargs = {**defaults, **(spec or {})}
-        if backend == "docker":
-            kwargs["labels"] = {**kwargs.get("labels", {}), **holder["pool"].labels}
-        return make_sandbox(backend, **kwargs)
-
-    on_close = None
-    if backend == "docker":
-        from env.sandbox.docker import remove_containers
-
-        def on_close():
-            remove_containers(holder["pool"].labels, defaults.get("client"))
-
-    pool = SandboxPool(factory, max_concurrent, retries=retries, backoff_s=backoff_s,
-                       on_close=on_close)
-    holder["pool"] = pool
-    return pool
 
 
 # -- process-wide cleanup -------------------------------------------------------------

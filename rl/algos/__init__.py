@@ -1,18 +1,35 @@
 """Training algorithms behind one interface (rl.algos.base.Algorithm), by `config.algo`."""
 
+from rl import prefix
 from rl.algos.base import Algorithm, Context
-from rl.algos.grpo_ps import GRPOPrefix
-from rl.algos.spo import SPO
+from rl.algos.grpo_ps import GRPOPrefix, prefix_config
+from rl.algos.spo import SPO, tracker_from_config
 
 ALGORITHMS: dict[str, type[Algorithm]] = {"grpo": GRPOPrefix, "spo": SPO}
 
 
+def get(name: str) -> type[Algorithm]:
+    """The algorithm class `config.algo` names."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"algo must be 'grpo' or 'spo', got {name!r}")
+    return ALGORITHMS[name]
+
+
+def check_config(config) -> None:
+    """`config.algo` names an algorithm and the config suits it."""
+    get(config.algo).check_config(config)
+
+
+def check_sections(config) -> None:
+    """Builds what the algorithms build from their sections (Prefix Sampling's controller,
+    SPO's tracker) whichever `algo` runs: a dry run checks every section."""
+    prefix.AdaptiveController.from_config(prefix_config(config.ps))
+    tracker_from_config(config.spo)
+
+
 def build(ctx: Context) -> Algorithm:
     """The algorithm `ctx.config.algo` names."""
-    name = ctx.config.algo
-    if name not in ALGORITHMS:
-        raise ValueError(f"algo must be one of {sorted(ALGORITHMS)}, got {name!r}")
-    return ALGORITHMS[name](ctx)
+    return get(ctx.config.algo)(ctx)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "Context", "build"]
+__all__ = ["ALGORITHMS", "Algorithm", "Context", "build", "check_config", "check_sections", "get"]

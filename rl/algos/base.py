@@ -60,6 +60,12 @@ class Algorithm(abc.ABC):
     stream: bool = False
     started: bool = True
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Raises ValueError naming the keys when `config` does not suit the algorithm
+        (before anything is built: train.py and the dry run call it)."""
+        del config
+
     async def start(self, progress: Progress = None) -> dict[str, float]:
         """Work before the first RL step (runs while `started` is False); metrics."""
         del progress

@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 
 from rl import advantages as adv_lib
-from rl import distributed, prefix
+from rl import distributed, prefix, seeds
 from rl.algos.base import Algorithm, Context, Progress
 from rl.rollout import RolloutJob, StreamCollector, decode_jobs, encode_jobs
 from rl.sampler import TaskSampler
+from rl.seeds import job_seed
 from rl.types import Trajectory
 
 
@@ -41,12 +42,14 @@ def prefix_config(ps_cfg) -> prefix.PrefixConfig:
     return prefix.PrefixConfig(**kw)
 
 
-def job_seed(step: int, index: int) -> int:
-    return step * 100_003 + index
-
-
 class GRPOPrefix(Algorithm):
     """GRPO + Prefix Sampling; host state: data loader, prefix queue and controller, rng."""
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        adv_lib.get(config.advantage)
+        if config.group_size < 2:
+            raise ValueError(f"algo='grpo' needs group_size >= 2, got {config.group_size}")
 
     def __init__(self, ctx: Context):
         c = ctx.config
@@ -59,7 +62,7 @@ class GRPOPrefix(Algorithm):
         self.sampler = TaskSampler(ctx.train_tasks, seed=c.seed)
         self.queue = prefix.PrefixQueue(max_age=self.ps_cfg.max_age)
         self.controller = prefix.AdaptiveController.from_config(self.ps_cfg)
-        self.rng = np.random.default_rng([c.seed, 1])
+        self.rng = seeds.host_rng(c.seed)
         self.max_staleness, self.stale = c.rollout.max_staleness, c.rollout.stale
         self.stream = bool(self.max_staleness)  # generation goes on while the learner trains
         self._collector: StreamCollector | None = None

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from rl import spo
+from rl import seeds, spo
 from rl.algos.base import Algorithm, Context, Progress
 from rl.rollout import RolloutJob, StreamCollector
 from rl.types import Trajectory
@@ -46,6 +46,14 @@ class SPO(Algorithm):
 
     stream = True
 
+    @classmethod
+    def check_config(cls, config) -> None:
+        if config.ps.enabled:
+            raise ValueError("ps.enabled needs algo='grpo' (Prefix Sampling classifies groups)")
+        if config.spo.in_flight < config.batch_tasks:
+            raise ValueError(f"spo.in_flight ({config.spo.in_flight}) must be >= batch_tasks "
+                             f"({config.batch_tasks})")
+
     def __init__(self, ctx: Context):
         c = ctx.config
         self.cfg, self.agent, self.score = c.spo, ctx.agent, ctx.score
@@ -56,7 +64,7 @@ class SPO(Algorithm):
         self.batch_tasks = self.rollouts_per_step = c.batch_tasks
         self.tracker = tracker_from_config(self.cfg)
         self.sampler = spo.PrioritizedSampler(self.tracker, seed=c.seed, eps=self.cfg.sampler_eps)
-        self.rng = np.random.default_rng([c.seed, 1])
+        self.rng = seeds.host_rng(c.seed)
         self.task_by_id = {t.instance_id: t for t in ctx.train_tasks}
         ids = list(self.task_by_id)
         self.pool_ids = ids[:self.cfg.pool_size] if self.cfg.pool_size else ids
@@ -100,7 +108,7 @@ class SPO(Algorithm):
             await collector.close()
         counts: dict[str, list[int]] = {}
         for t in trajs:
-            if not t.is_env_error and t.reward is not None:
+            if t.is_scored:
                 s_n = counts.setdefault(t.task_id, [0, 0])
                 s_n[0], s_n[1] = s_n[0] + int(t.reward), s_n[1] + 1
         ids = list(counts)
@@ -146,7 +154,7 @@ class SPO(Algorithm):
     def advantages(self, step: int, groups: Sequence[Sequence[Trajectory]]
                    ) -> tuple[list[Trajectory], np.ndarray, dict[str, float]]:
         """A = r - v_before, batch-normalised; remembers the batch for after_update."""
-        scored = [t for g in groups for t in g if not t.is_env_error and t.reward is not None]
+        scored = [t for g in groups for t in g if t.is_scored]
         self._pending = None
         if not scored:
             return [], np.zeros(0), {}

@@ -1,0 +1,134 @@
+"""The one place sandboxes are made: a task (or a backend's own arguments) -> a new
+sandbox of the run's backend, on one engine or over a Docker fleet.
+
+Every factory has `metrics()` (scalars for the step's row: a fleet's engines) and
+`close()` (a fleet stops probing and removes its containers); the sandboxes themselves
+are bounded and closed by env.sandbox.pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from env.sandbox.base import Sandbox
+from env.sandbox.docker import DockerSandbox, docker_host, remove_containers
+from env.sandbox.fleet import DockerFleet
+from env.sandbox.local import LocalSandbox, reap_stale
+from env.tasks import Task
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("local", "docker")
+# Docker sandboxes carry {FACTORY_LABEL: factory.id}: close() removes what is left.
+FACTORY_LABEL = "swe-rl.factory"
+
+
+def sandbox_spec(task: Task, backend: str) -> dict[str, Any]:
+    """The backend arguments that put `task`'s repository in place.
+
+    local: `repo_files` or `repo_dir` (+ `base_commit`). docker: the task's `image`
+    (when it has one; otherwise the factory's default image) at `workdir`, with
+    `repo_files` written into it when given. Both: the task's `env_setup` (the image's
+    environment activation), run before every command.
+    """
+    if backend == "local":
+        if task.repo_files is None and task.repo_dir is None:
+            raise ValueError(f"task {task.instance_id} has only an image ({task.image}); "
+                             "the local backend needs repo_files or repo_dir")
+        spec = {"repo_files": task.repo_files, "repo_dir": task.repo_dir,
+                **({"env_setup": task.env_setup} if task.env_setup else {})}
+        return {**spec, "base_commit": task.base_commit or None} if task.repo_dir else spec
+    if backend == "docker":
+        if task.repo_dir is not None and task.repo_files is None:
+            raise ValueError(f"task {task.instance_id}: the docker backend takes an image or "
+                             "repo_files, not repo_dir")
+        spec: dict[str, Any] = {"workdir": task.workdir}
+        if task.env_setup:
+            spec["env_setup"] = task.env_setup
+        if task.image:
+            spec["image"] = task.image
+        if task.repo_files is not None:
+            spec["repo_files"] = task.repo_files
+        elif task.base_commit:
+            spec["base_commit"] = task.base_commit
+        return spec
+    raise ValueError(f"unknown sandbox backend {backend!r}")
+
+
+class SandboxFactory:
+    """task -> a new sandbox of `backend` ("local" | "docker") holding the task's
+    repository. `defaults` are backend arguments (e.g. image=, client=, limits=); the
+    task's own source (sandbox_spec) overrides them. Called with a mapping instead of
+    a task, it takes the mapping as the backend's arguments.
+
+    id: unique id of this factory; its Docker sandboxes carry {FACTORY_LABEL: id}.
+    """
+
+    def __init__(self, backend: str, **defaults: Any):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown sandbox backend {backend!r}; expected one of {BACKENDS}")
+        self.backend, self.defaults = backend, defaults
+        self.id = uuid.uuid4().hex[:12]
+        self.labels = {FACTORY_LABEL: self.id}
+
+    def __call__(self, source: Task | Mapping[str, Any] | None) -> Sandbox:
+        spec = (sandbox_spec(source, self.backend) if isinstance(source, Task)
+                else dict(source or {}))
+        return self.create(**spec)
+
+    def create(self, **spec: Any) -> Sandbox:
+        """A sandbox from backend arguments: the defaults, overridden by `spec`."""
+        kwargs = {**self.defaults, **spec}
+        if self.backend == "local":
+            return LocalSandbox(**kwargs)
+        return DockerSandbox(**{**kwargs, "labels": {**kwargs.get("labels", {}), **self.labels}})
+
+    def metrics(self) -> dict[str, float]:
+        """Scalars for the step's metrics row (none on one engine)."""
+        return {}
+
+    def close(self) -> None:
+        """Removes any container of this factory still there (one whose creation was cut
+        short, or whose sandbox was never closed); local sandboxes close themselves."""
+        if self.backend == "docker":
+            remove_containers(self.labels, self.defaults.get("client"))
+
+
+class FleetFactory(SandboxFactory):
+    """task -> a new Docker sandbox holding the task's repository, on the engine of a
+    fleet with the most free slots (env.sandbox.fleet); `close()` closes the fleet."""
+
+    def __init__(self, hosts: list[str], slots_per_engine: int, **defaults: Any):
+        super().__init__("docker", **defaults)
+        self.fleet = DockerFleet(hosts, slots_per_engine, **defaults)
+
+    def create(self, **spec: Any) -> Sandbox:
+        return self.fleet.create(**spec)
+
+    def metrics(self) -> dict[str, float]:
+        """The fleet's per-engine scalars (`env/engine{i}/...`)."""
+        return self.fleet.metrics()
+
+    def close(self) -> None:
+        self.fleet.close()
+
+
+def from_config(env_cfg) -> SandboxFactory:
+    """The `env` section's sandboxes: `env.backend`; for Docker, a fleet over
+    `env.docker_hosts` (removing exited runs' containers on each), tasks without an
+    image of their own running in `env.image`; for local, the sandbox directories of
+    exited runs removed first."""
+    if env_cfg.backend not in ("local", "docker"):
+        raise ValueError(f"env.backend must be 'local' or 'docker', got {env_cfg.backend!r}")
+    defaults = {"image": env_cfg.image} if env_cfg.backend == "docker" and env_cfg.image else {}
+    if env_cfg.backend == "docker":
+        return FleetFactory(list(env_cfg.docker_hosts) or [docker_host()],
+                            env_cfg.docker_slots or env_cfg.max_concurrent, **defaults)
+    stale = reap_stale()
+    if stale:
+        log.info("removed %d sandbox directories of exited processes", len(stale))
+    return SandboxFactory("local", **defaults, allow_unisolated=env_cfg.local_allow_unisolated,
+                          read_only=tuple(env_cfg.local_read_only))

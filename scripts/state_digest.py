@@ -1,0 +1,117 @@
+"""Digests of what a short run leaves behind, to show a change keeps the numbers.
+
+    python scripts/state_digest.py --out /tmp/digests.json            # smoke runs
+    python scripts/state_digest.py --dry_runs --out /tmp/dry.json     # every config
+
+For each run (RUNS): 3 RL steps of the smoke config (`:smoke,steps=3`, the same trained
+with the SFT loss on every group so the weights move whatever the rewards, and
+`:spo,smoke,steps=3`, also with one rollout in flight), then the SHA-256 of the
+step-3 checkpoint's train state (every array's path, dtype and bytes) and of its host
+state (the algorithm's tracker or Prefix Sampling state, the task loader, the job
+seeds). Runs go one at a time, on one CPU device. With --dry_runs: the `--dry_run`
+output of every config in configs/ and of default.py's options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = {
+    "smoke": ["--config", "configs/default.py:smoke,steps=3"],
+    "smoke_sft_loss": ["--config", "configs/default.py:smoke,steps=3",
+                       "--set", "reject_degenerate=False", "--set", "learner.loss.name=sft"],
+    "spo_smoke": ["--config", "configs/default.py:spo,smoke,steps=3"],
+    # SPO's stream takes the first rollouts to finish and starts the next ones at once,
+    # so which rollouts a step trains on (and under which weights they ran) depends on
+    # thread timing: two runs of spo_smoke differ. With one rollout per step and one in
+    # flight, each rollout starts only when the step asks for it: the same every run.
+    "spo_smoke_in_flight_1": ["--config", "configs/default.py:spo,smoke,steps=3",
+                              "--set", "batch_tasks=1", "--set", "spo.in_flight=1"],
+}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device
+    return env
+
+
+def state_digests(workdir: str, step: int) -> dict[str, str]:
+    """sha256 of checkpoint `step`'s train state and of its host-state JSON."""
+    import jax  # (only for the digests of a run, not for --dry_runs)
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.PyTreeCheckpointer()
+    path = os.path.join(workdir, "ckpt", str(step), "state")
+    tree = checkpointer.metadata(path).item_metadata.tree
+    restored = checkpointer.restore(path, restore_args=jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    h = hashlib.sha256()
+    for key, value in jax.tree_util.tree_leaves_with_path(restored):
+        value = np.ascontiguousarray(value)
+        h.update(jax.tree_util.keystr(key).encode() + value.dtype.str.encode())
+        h.update(value.tobytes())
+    with open(os.path.join(workdir, "ckpt", str(step), "host", "metadata")) as f:
+        host = json.load(f)
+    return {"train_state": h.hexdigest(),
+            "host_state": hashlib.sha256(json.dumps(host, sort_keys=True).encode()).hexdigest(),
+            "host_keys": sorted(host)}
+
+
+def run(name: str, args: list[str], workdir: str) -> dict[str, object]:
+    out = subprocess.run([sys.executable, "train.py", *args, "--workdir", workdir], cwd=ROOT,
+                         env=_env(), capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
+    return state_digests(workdir, 3)
+
+
+VARIANTS = ["configs/default.py:smoke", "configs/default.py:spo", "configs/default.py:baseline",
+            "configs/default.py:adaptive,seed=2", "configs/default.py:server",
+            "configs/default.py:smoke,spo,server"]
+
+
+def dry_runs() -> dict[str, str]:
+    out = {}
+    configs = [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+               if os.path.basename(p) not in ("common.py", "__init__.py")]
+    for rel in sorted(configs) + VARIANTS:
+        proc = subprocess.run([sys.executable, "train.py", "--config", rel, "--dry_run",
+                               "--workdir", "/tmp/unused"], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True)
+        # (The launched server's PYTHONPATH names the checkout: the same for any clone.)
+        out[rel] = (proc.stdout.replace(ROOT, "<repository>") if proc.returncode == 0
+                    else f"rc {proc.returncode}: {proc.stderr[-2000:]}")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--runs", default=",".join(RUNS))
+    p.add_argument("--dry_runs", action="store_true")
+    args = p.parse_args()
+    if args.dry_runs:
+        result = dry_runs()
+    else:
+        result = {}
+        for name in args.runs.split(","):
+            with tempfile.TemporaryDirectory() as workdir:
+                result[name] = run(name, RUNS[name], workdir)
+                print(name, json.dumps(result[name]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, sort_keys=True)
+
+
+if __name__ == "__main__":
+    main()
