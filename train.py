@@ -53,6 +53,8 @@ def main(argv=None) -> None:
                         "and exit")
     p.add_argument("--eval_out", default="", metavar="PATH",
                    help="with --eval_only: where to write the evaluation's JSON")
+    p.add_argument("--eval_step", type=int, default=None, metavar="N",
+                   help="with --eval_only: evaluate checkpoint N instead of the latest")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set learner.optim.lr=1e-4 (repeatable; "
                         "values are Python literals, else strings)")
@@ -82,24 +84,26 @@ def main(argv=None) -> None:
     workdir = os.path.abspath(args.workdir)
     if args.eval_only and not os.path.isdir(os.path.join(workdir, "ckpt")):
         p.error(f"--eval_only: no checkpoints under {workdir}")
-    if args.eval_out and not args.eval_only:
-        p.error("--eval_out needs --eval_only")
+    if (args.eval_out or args.eval_step is not None) and not args.eval_only:
+        p.error("--eval_out and --eval_step need --eval_only")
     os.makedirs(workdir, exist_ok=True)
     if not args.eval_only and distributed.is_primary():  # (an evaluation leaves it as it is)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=1))
     try:
         asyncio.run(run(config, workdir, eval_only=args.eval_only,
-                        eval_out=os.path.abspath(args.eval_out) if args.eval_out else None))
+                        eval_out=os.path.abspath(args.eval_out) if args.eval_out else None,
+                        eval_step=args.eval_step))
     except OSError as e:  # a full disk, a lost mount: its cause, not a traceback of the loop
         log.error("stopped: %s: %s", type(e).__name__, e)
         sys.exit(1)
 
 
-async def run(config, workdir: str, eval_only: bool = False, eval_out: str | None = None) -> None:
+async def run(config, workdir: str, eval_only: bool = False, eval_out: str | None = None,
+              eval_step: int | None = None) -> None:
     """Everything after the config, on one event loop (engine batching, sandbox slots
-    and in-flight rollouts all live on it). eval_only: evaluate the latest checkpoint
-    (into eval_out if given)."""
+    and in-flight rollouts all live on it). eval_only: evaluate checkpoint eval_step
+    (None: the latest) into eval_out if given."""
     # ------------------------------------------------------------------ mesh
     mesh = sharding.make_mesh(**config.mesh)
     if jax.process_count() > 1:
@@ -162,7 +166,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
     if eval_only:
         try:
             await evaluate_checkpoint(config, ckpt, graphdef, state, mesh, engine, agent,
-                                      eval_tasks, workdir, eval_out)
+                                      eval_tasks, workdir, eval_out, eval_step)
         finally:
             ckpt.close()
             engine.close()
@@ -199,6 +203,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
 
     # ------------------------------------------------------------------ train loop
     async def rl_loop(state):
+        last_save = time.perf_counter()  # for config.ckpt_every_s
         if first_step == 0 and not (resumed and os.path.exists(os.path.join(workdir,
                                                                             "eval_0.json"))):
             # (A workdir seeded with a shared warm start already holds its step-0 eval.)
@@ -259,8 +264,10 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
                     trajs[0].token_arrays()[0])})
             if distributed.is_primary():
                 print(setup.console_line(step, metrics), flush=True)
-            if step % config.ckpt_every == 0 or step == config.total_steps:
+            timed = config.ckpt_every_s and time.perf_counter() - last_save >= config.ckpt_every_s
+            if step % config.ckpt_every == 0 or step == config.total_steps or timed:
                 save(step, state)
+                last_save = time.perf_counter()
         return state
 
     try:
@@ -343,15 +350,15 @@ def restore(config, ckpt: Checkpointer, step: int | None, graphdef, state, mesh,
 
 async def evaluate_checkpoint(config, ckpt: Checkpointer, graphdef, state, mesh, engine,
                               agent: Agent, tasks: list[Task], workdir: str,
-                              path: str | None = None) -> None:
-    """--eval_only: the latest readable checkpoint's weights on `tasks` (e.g. a larger held-out set
-    than the run's, via --set env.eval_tasks=N), written to `path` (default
-    workdir/eval_only_{step}_{n}tasks.json)."""
+                              path: str | None = None, step: int | None = None) -> None:
+    """--eval_only: checkpoint `step`'s weights (None: the latest readable one) on `tasks`
+    (e.g. a larger held-out set than the run's, via --set env.eval_tasks=N), written to
+    `path` (default workdir/eval_only_{step}_{n}tasks.json)."""
     if ckpt.latest_step() is None:
         raise FileNotFoundError(f"--eval_only: no checkpoint in {ckpt.directory}")
     # The newest step that reads back (a damaged newer one is named in a warning and left
     # where it is); the output's name and rows carry the step evaluated.
-    step, state, _ = restore(config, ckpt, None, graphdef, state, mesh, set_aside=False)
+    step, state, _ = restore(config, ckpt, step, graphdef, state, mesh, set_aside=False)
     await distributed.sync_weights(engine, state.params, config.engine.kind == "sglang")
     await evaluate(config, agent, tasks, None, step, workdir,
                    path or os.path.join(workdir, f"eval_only_{step}_{len(tasks)}tasks.json"))

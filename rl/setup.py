@@ -309,6 +309,9 @@ def rollout_metrics(trajs: Sequence[Trajectory], groups: Sequence[Sequence[Traje
     m["rollout/grades_cached"] = sum(t.grade_cached for t in scored)
     m["rollout/engine_errors"] = sum(t.is_env_error and t.error.startswith(ENGINE_ERROR)
                                      for t in trajs)
+    fresh = prefix.fresh_pass_rate(groups)
+    if fresh is not None:
+        m["rollout/fresh_pass_rate"] = fresh
     rewards = [[t.reward for t in g if not t.is_env_error and t.reward is not None]
                for g in groups]
     rewards = [r for r in rewards if r]
