@@ -37,14 +37,22 @@ ARMS = {
 }
 
 
-def _train(config: str, workdir: str, sets: Sequence[str], log_path: str) -> float:
+def _train(config: str, workdir: str, sets: Sequence[str], log_path: str,
+           timeout_s: float | None = None) -> float:
+    """Runs train.py; returns its wall time. timeout_s: the run is stopped (killed) then,
+    its checkpoints kept, and that is its end (e.g. an arm given another's wall clock)."""
     cmd = [sys.executable, "train.py", "--config", config, "--workdir", workdir]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.perf_counter()
     with open(log_path, "a") as log:
         print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"stopped after {timeout_s:.0f} s", file=log, flush=True)
+            return time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}; "
                            f"see {log_path}")
@@ -91,9 +99,11 @@ def truncate_to_step0(workdir: str) -> None:
 
 
 def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = (),
-            arms: dict[str, str] = ARMS, warm: str = "configs/default.py:seed={seed}") -> str:
+            arms: dict[str, str] = ARMS, warm: str = "configs/default.py:seed={seed}",
+            timeout_s: float | None = None) -> str:
     """Runs (or resumes, or skips when finished) one arm of one seed; returns its workdir.
-    arms: arm name -> config spec; warm: the warm start's spec (`{seed}` filled in)."""
+    arms: arm name -> config spec; warm: the warm start's spec (`{seed}` filled in);
+    timeout_s: stop the run after that many seconds (see _train)."""
     workdir = os.path.join(root, f"seed{seed}", arm)
     record = _record(workdir)
     if record is not None and record.get("steps") == steps:
@@ -103,7 +113,7 @@ def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = ()
         shutil.copytree(sft, workdir, ignore=shutil.ignore_patterns(
             "run.json", "log.txt", "final_eval_*", "eval_only_*"))
     wall = _train(arms[arm].format(seed=seed), workdir, [*sets, f"total_steps={steps}"],
-                  os.path.join(workdir, "log.txt"))
+                  os.path.join(workdir, "log.txt"), timeout_s)
     with open(os.path.join(workdir, "run.json"), "w") as f:
         json.dump({"arm": arm, "seed": seed, "steps": steps, "wall_s": wall,
                    "sft_wall_s": _record(sft)["wall_s"], "sets": list(sets),

@@ -159,6 +159,9 @@ class SPO(Algorithm):
         self._pending = (ids, rewards, [self._drift_window(t) for t in scored])
         adv = spo.spo_advantages(rewards, v_before, ddof=self.cfg.adv_std_ddof)
         metrics = {"spo/v_mean": float(v_before.mean())}
+        if rewards.var() > 0:  # the share of the reward's variance the baseline leaves
+            metrics["spo/residual_var_ratio"] = float((rewards - v_before).var()
+                                                      / rewards.var())
         if self.max_staleness and self._collector is not None:
             metrics.update(self._collector.stats())
         return scored, adv, metrics
