@@ -156,3 +156,26 @@ def test_metrics_stage_end_to_end_on_run_directories(tmp_path):
     assert all(os.path.exists(p) for p in out["figures"])
     with open(tmp_path / "results" / "seed_claims.json") as f:
         assert json.load(f)["summary"] == s
+
+
+@pytest.mark.parametrize("arm", sorted(sc.ARMS))
+def test_every_arm_config_is_valid_and_shaped_as_the_plan(arm):
+    """Each arm's spec with its sets (as run_arms passes them, gate ratio 0.55) passes the
+    trainer's config checks; batch shapes, PS / revisit / SPO settings as planned."""
+    from configs import common
+    from rl import setup
+
+    sets = sc.arm_sets(arm, [*sc.RUN_SETS, "ckpt_every_s=120.0", "total_steps=48"], 0.55)
+    config = common.load_config(os.path.join(sc.ex.ROOT, sc.ARMS[arm].format(seed=10)))
+    config = common.apply_overrides(config, common.parse_overrides(sets))
+    setup.check_config(config)
+    assert config.env.difficulties == (3, 1) and config.sft.imperfect_share == 0.0
+    assert config.ckpt_every_s == 120.0 and config.seed == 10
+    if arm.startswith("spo"):
+        assert (config.algo, config.batch_tasks, config.group_size) == ("spo", 64, 1)
+        assert config.spo.init_samples == 2
+        assert config.spo.in_flight == (64 if arm == "spo_barrier" else 96)
+    else:
+        assert (config.algo, config.batch_tasks, config.group_size) == ("grpo", 8, 8)
+        assert config.ps.enabled == (arm != "grpo") and config.ps.revisit == (arm == "revisit")
+        assert config.ps.remaining_ratio == (0.55 if arm == "ps" else 0.6)
