@@ -186,7 +186,8 @@ async def measure_warm_start(agent, train_tasks, rng: np.random.Generator,
     n = GATE["hist_rollouts"]
     tasks = [t for t in train_tasks if t.difficulty == 3][:GATE["hist_tasks"]]
     t0 = time.perf_counter()
-    groups = await collect_groups(agent, [RolloutJob(t, seed=i) for i, t in enumerate(tasks)], n)
+    groups = await collect_groups(agent, [RolloutJob(t, seed=i) for i, t in enumerate(tasks)], n,
+                                  _progress("histogram", len(tasks) * n))
     out = {"histogram": histogram(*_counts(groups), n),
            "histogram_s": time.perf_counter() - t0, "histogram_load": load_note()}
     hard = [g for g, (s, m) in zip(groups, zip(*_counts(groups), strict=True), strict=True)
@@ -201,7 +202,8 @@ async def measure_warm_start(agent, train_tasks, rng: np.random.Generator,
                                    prefix=make_prefix_task(source, k, "too_hard", 0)))
             meta.append((source.num_steps, k, k == first_fix_k(source)))
     t0 = time.perf_counter()
-    pgroups = await collect_groups(agent, jobs, prefix_rollouts)
+    pgroups = await collect_groups(agent, jobs, prefix_rollouts,
+                                   _progress("prefix rollouts", len(jobs) * prefix_rollouts))
     succ, scored_n = _counts(pgroups)
     rows = [(total, k, s, m) for (total, k, _), s, m in zip(meta, succ, scored_n, strict=True)]
     fix = [(s, m) for (_, _, is_fix), s, m in zip(meta, succ, scored_n, strict=True) if is_fix]
@@ -216,6 +218,21 @@ async def measure_warm_start(agent, train_tasks, rng: np.random.Generator,
         out["prefix"]["ps_remaining_ratio"] = remaining_ratio_for(best, out["prefix"][
             "source_steps"])
     return out
+
+
+def _progress(what: str, total: int):
+    """A callback printing every 10% of `total` rollouts to stderr."""
+    import sys
+
+    done = [0]
+
+    def update(n: int) -> None:
+        done[0] += n
+        if done[0] % max(1, total // 10) == 0 or done[0] == total:
+            print(f"{time.strftime('%H:%M:%S')} {what}: {done[0]}/{total}", file=sys.stderr,
+                  flush=True)
+
+    return update
 
 
 def warm_start_gate(root: str, seed: int, sets: Sequence[str], prefix_rollouts: int) -> dict:
@@ -274,20 +291,35 @@ def timing_and_slope(root: str, seed: int, sets: Sequence[str], ps_ratio: float 
 
 
 def gate(root: str, seed: int, name: str, sets: Sequence[str], note: str, out: str,
-         prefix_rollouts: int = 8, skip_runs: bool = False) -> dict:
-    """One try of the gate under root/name (its own warm start), appended to the record
-    of tries and written with all of them to out/gate.json."""
+         prefix_rollouts: int = 8, skip_runs: bool = False, warm: str = "",
+         reuse: str = "") -> dict:
+    """One try of the gate under root/`warm` (default root/name: its own warm start; a
+    try that changes only what runs after SFT names an earlier try's), appended to the
+    record of tries and written with all of them to out/gate.json. reuse: take the
+    warm-start figures of that earlier try (same warm start and sets) and run the rest."""
     t0 = time.time()
-    base = os.path.join(root, name)
-    result: dict = {"try": name, "seed": seed, "sets": list(sets), "note": note,
+    base = os.path.join(root, warm or name)
+    result: dict = {"try": name, "warm_start": warm or name, "seed": seed, "sets": list(sets),
+                    "note": note,
                     "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
                     "load_start": load_note(), "uptime": _uptime()}
-    result.update(warm_start_gate(base, seed, sets, prefix_rollouts))
+    earlier = {t["try"]: t for t in _read_json_list(os.path.join(root, "gate_tries.json"))}
+    if reuse:  # that try's warm-start figures (same warm start and sets), runs to come
+        result.update({k: earlier[reuse][k] for k in ("histogram", "histogram_s",
+                                                       "histogram_load", "prefix")})
+        result["warm_figures_from"] = reuse
+    else:
+        result.update(warm_start_gate(base, seed, sets, prefix_rollouts))
     warm_ok = result["histogram"]["pass"] and result["prefix"]["pass"]
+    result["gate_pass"] = False
+    # Recorded now: the train.py runs below take longest, and a try stopped during them
+    # keeps its warm-start figures.
+    result["runs"] = {"pending": bool(warm_ok and not skip_runs)}
+    record_try(root, out, {**result, "wall_s": time.time() - t0})
     if warm_ok and not skip_runs:
         result["runs"] = timing_and_slope(base, seed, sets,
                                           result["prefix"].get("ps_remaining_ratio"))
-    result["gate_pass"] = bool(warm_ok and result.get("runs", {}).get("slope_pass", False))
+    result["gate_pass"] = bool(warm_ok and result["runs"].get("slope_pass", False))
     result["wall_s"] = time.time() - t0
     result["load_end"] = load_note()
     return record_try(root, out, result)
@@ -650,6 +682,10 @@ def main(argv=None) -> dict:
     p.add_argument("--note", default="", help="gate: what this try changed and why")
     p.add_argument("--prefix-rollouts", type=int, default=8,
                    help="gate: rollouts per prefix task and length")
+    p.add_argument("--warm-from", default="",
+                   help="gate: reuse this earlier try's warm start (same SFT settings)")
+    p.add_argument("--reuse", default="",
+                   help="gate: take this earlier try's warm-start figures, run the rest")
     p.add_argument("--warm-only", action="store_true",
                    help="gate: the warm start's measurements only (no train.py runs)")
     p.add_argument("--seeds", default="10,11,12,13", help="arms, metrics: training seeds")
@@ -664,7 +700,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.stage == "gate":
         result = gate(args.root, args.seed, args.try_name, args.set, args.note, args.out,
-                      args.prefix_rollouts, args.warm_only)
+                      args.prefix_rollouts, args.warm_only, args.warm_from, args.reuse)
         print(json.dumps({k: result[k] for k in ("gate_pass", "chosen", "tuned")}, indent=1))
         return result
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -675,6 +711,13 @@ def main(argv=None) -> dict:
                      run=not args.no_run)
     print(json.dumps(result["summary"], indent=1))
     return result
+
+
+def _read_json_list(path: str) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f)
 
 
 def _read_json(path: str) -> dict:

@@ -179,3 +179,24 @@ def test_every_arm_config_is_valid_and_shaped_as_the_plan(arm):
         assert (config.algo, config.batch_tasks, config.group_size) == ("grpo", 8, 8)
         assert config.ps.enabled == (arm != "grpo") and config.ps.revisit == (arm == "revisit")
         assert config.ps.remaining_ratio == (0.55 if arm == "ps" else 0.6)
+
+
+def test_every_try_is_recorded_and_the_passing_one_chosen(tmp_path):
+    def try_(name, passed, mean):
+        return {"try": name, "sets": [f"sft.steps={name}"], "note": name, "gate_pass": passed,
+                "histogram": {"mean": mean, "share_1_2": 0.3, "share_0": 0.5},
+                "prefix": {"steps_left_in_band": [3]},
+                "runs": {"fresh_pass_rate": {"slope": 0.01}} if passed else {"pending": True}}
+
+    root, out = str(tmp_path / "runs"), str(tmp_path / "results")
+    sc.record_try(root, out, try_("64", False, 0.02))
+    sc.record_try(root, out, try_("96", True, 0.1))
+    summary = sc.record_try(root, out, try_("128", False, 0.3))
+    with open(os.path.join(out, "gate.json")) as f:
+        assert json.load(f) == summary
+    assert summary["gate_pass"] and summary["chosen"] == "96"
+    assert summary["result"]["sets"] == ["sft.steps=96"]
+    assert [(t["try"], t["hist_mean"], t["fresh_slope"]) for t in summary["tuned"]] == [
+        ("64", 0.02, None), ("96", 0.1, 0.01), ("128", 0.3, None)]
+    again = sc.record_try(root, out, try_("64", False, 0.03))   # a try redone replaces it
+    assert [t["try"] for t in again["tuned"]] == ["96", "128", "64"]
