@@ -292,11 +292,13 @@ def timing_and_slope(root: str, seed: int, sets: Sequence[str], ps_ratio: float 
 
 def gate(root: str, seed: int, name: str, sets: Sequence[str], note: str, out: str,
          prefix_rollouts: int = 8, skip_runs: bool = False, warm: str = "",
-         reuse: str = "") -> dict:
+         reuse: str = "", force_runs: bool = False) -> dict:
     """One try of the gate under root/`warm` (default root/name: its own warm start; a
     try that changes only what runs after SFT names an earlier try's), appended to the
     record of tries and written with all of them to out/gate.json. reuse: take the
-    warm-start figures of that earlier try (same warm start and sets) and run the rest."""
+    warm-start figures of that earlier try (same warm start and sets) and run the rest.
+    force_runs: make the train.py runs even when the warm start fails its criteria
+    (their figures for the record)."""
     t0 = time.time()
     base = os.path.join(root, warm or name)
     result: dict = {"try": name, "warm_start": warm or name, "seed": seed, "sets": list(sets),
@@ -314,9 +316,10 @@ def gate(root: str, seed: int, name: str, sets: Sequence[str], note: str, out: s
     result["gate_pass"] = False
     # Recorded now: the train.py runs below take longest, and a try stopped during them
     # keeps its warm-start figures.
-    result["runs"] = {"pending": bool(warm_ok and not skip_runs)}
+    run = (warm_ok or force_runs) and not skip_runs
+    result["runs"] = {"pending": run}
     record_try(root, out, {**result, "wall_s": time.time() - t0})
-    if warm_ok and not skip_runs:
+    if run:
         result["runs"] = timing_and_slope(base, seed, sets,
                                           result["prefix"].get("ps_remaining_ratio"))
     result["gate_pass"] = bool(warm_ok and result["runs"].get("slope_pass", False))
@@ -686,6 +689,8 @@ def main(argv=None) -> dict:
                    help="gate: reuse this earlier try's warm start (same SFT settings)")
     p.add_argument("--reuse", default="",
                    help="gate: take this earlier try's warm-start figures, run the rest")
+    p.add_argument("--force-runs", action="store_true",
+                   help="gate: make the train.py runs even if the warm start fails")
     p.add_argument("--warm-only", action="store_true",
                    help="gate: the warm start's measurements only (no train.py runs)")
     p.add_argument("--seeds", default="10,11,12,13", help="arms, metrics: training seeds")
@@ -700,7 +705,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.stage == "gate":
         result = gate(args.root, args.seed, args.try_name, args.set, args.note, args.out,
-                      args.prefix_rollouts, args.warm_only, args.warm_from, args.reuse)
+                      args.prefix_rollouts, args.warm_only, args.warm_from, args.reuse,
+                      args.force_runs)
         print(json.dumps({k: result[k] for k in ("gate_pass", "chosen", "tuned")}, indent=1))
         return result
     seeds = [int(s) for s in args.seeds.split(",")]
