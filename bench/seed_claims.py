@@ -262,15 +262,18 @@ def arm_sets(arm: str, extra: Sequence[str] = (), ps_ratio: float | None = None)
     return sets
 
 
-def timing_and_slope(root: str, seed: int, sets: Sequence[str], ps_ratio: float | None) -> dict:
-    """3 steps of every arm and 12 GRPO steps, each from the seed's warm start; mean
-    seconds per step (time/step_s) and the slope of the GRPO run's fresh pass rate."""
+def timing_and_slope(root: str, seed: int, sets: Sequence[str], ps_ratio: float | None,
+                     arms: Sequence[str] = tuple(ARMS), slope_steps: int | None = None) -> dict:
+    """3 steps of every arm and 12 GRPO steps (slope_steps), each from the seed's warm
+    start; mean seconds per step (time/step_s) and the slope of the GRPO run's fresh
+    pass rate."""
+    slope_steps = slope_steps or GATE["slope_steps"]
     # No held-out evals on the clock; SPO's offline start on a 64-prompt pool (the arms
     # run it on every training prompt: its start_s is scaled there).
     quiet = ["eval_every=1000", "env.eval_tasks=1"]
     out: dict = {"step_s": {}, "load": {}}
-    for arm in ARMS:
-        steps = GATE["slope_steps"] if arm == "grpo" else GATE["timing_steps"]
+    for arm in arms:
+        steps = slope_steps if arm == "grpo" else GATE["timing_steps"]
         name = f"gate_{arm}"
         out["load"][arm] = load_note()
         pool = ["spo.pool_size=64"] if arm.startswith("spo") else []
@@ -286,19 +289,23 @@ def timing_and_slope(root: str, seed: int, sets: Sequence[str], ps_ratio: float 
             fresh_steps, fresh = ex.rl_curve(rows, "rollout/fresh_pass_rate")
             out["fresh_pass_rate"] = {"steps": fresh_steps, "values": fresh,
                                       "slope": slope(fresh_steps, fresh)}
-    out["slope_pass"] = bool(out["fresh_pass_rate"]["slope"] >= GATE["slope_min"])
+    out["slope_pass"] = bool(slope_steps >= GATE["slope_steps"] and set(arms) == set(ARMS)
+                             and out["fresh_pass_rate"]["slope"] >= GATE["slope_min"])
+    out["arms_timed"], out["slope_steps"] = list(arms), slope_steps
     return out
 
 
 def gate(root: str, seed: int, name: str, sets: Sequence[str], note: str, out: str,
          prefix_rollouts: int = 8, skip_runs: bool = False, warm: str = "",
-         reuse: str = "", force_runs: bool = False) -> dict:
+         reuse: str = "", force_runs: bool = False, arms: Sequence[str] = tuple(ARMS),
+         slope_steps: int | None = None) -> dict:
     """One try of the gate under root/`warm` (default root/name: its own warm start; a
     try that changes only what runs after SFT names an earlier try's), appended to the
     record of tries and written with all of them to out/gate.json. reuse: take the
     warm-start figures of that earlier try (same warm start and sets) and run the rest.
     force_runs: make the train.py runs even when the warm start fails its criteria
-    (their figures for the record)."""
+    (their figures for the record). arms, slope_steps: a shorter plan (fewer arms timed,
+    fewer GRPO steps), which can never pass the gate."""
     t0 = time.time()
     base = os.path.join(root, warm or name)
     result: dict = {"try": name, "warm_start": warm or name, "seed": seed, "sets": list(sets),
@@ -321,7 +328,8 @@ def gate(root: str, seed: int, name: str, sets: Sequence[str], note: str, out: s
     record_try(root, out, {**result, "wall_s": time.time() - t0})
     if run:
         result["runs"] = timing_and_slope(base, seed, sets,
-                                          result["prefix"].get("ps_remaining_ratio"))
+                                          result["prefix"].get("ps_remaining_ratio"), arms,
+                                          slope_steps)
     result["gate_pass"] = bool(warm_ok and result["runs"].get("slope_pass", False))
     result["wall_s"] = time.time() - t0
     result["load_end"] = load_note()
@@ -691,6 +699,10 @@ def main(argv=None) -> dict:
                    help="gate: take this earlier try's warm-start figures, run the rest")
     p.add_argument("--force-runs", action="store_true",
                    help="gate: make the train.py runs even if the warm start fails")
+    p.add_argument("--timing-arms", default=",".join(ARMS),
+                   help="gate: the arms timed (all of them for a passing gate)")
+    p.add_argument("--slope-steps", type=int, default=None,
+                   help="gate: GRPO steps of the slope run (12 for a passing gate)")
     p.add_argument("--warm-only", action="store_true",
                    help="gate: the warm start's measurements only (no train.py runs)")
     p.add_argument("--seeds", default="10,11,12,13", help="arms, metrics: training seeds")
@@ -706,7 +718,7 @@ def main(argv=None) -> dict:
     if args.stage == "gate":
         result = gate(args.root, args.seed, args.try_name, args.set, args.note, args.out,
                       args.prefix_rollouts, args.warm_only, args.warm_from, args.reuse,
-                      args.force_runs)
+                      args.force_runs, args.timing_arms.split(","), args.slope_steps)
         print(json.dumps({k: result[k] for k in ("gate_pass", "chosen", "tuned")}, indent=1))
         return result
     seeds = [int(s) for s in args.seeds.split(",")]
