@@ -132,6 +132,23 @@ def test_drift_over_the_whole_response_includes_tool_outputs():
     assert m["spo/drift_mean"] == pytest.approx(D / 2, rel=1e-12)
 
 
+def test_spo_starts_fresh_from_a_grpo_warm_start_but_not_from_a_later_step():
+    grpo = algos.GRPOPrefix(algos.Context(_grpo_config(), None, _tasks(), score=None))
+    algo = _algo(start=False, init_samples=2)
+    algo.load_state_dict({"step": 0, **grpo.state_dict()})
+    assert not algo.started and len(algo.tracker) == 0
+    with pytest.raises(ValueError, match="step 3 holds no SPO state"):
+        algo.load_state_dict({"step": 3, **grpo.state_dict()})
+
+
+def _grpo_config():
+    c = ml_collections.ConfigDict(dict(seed=0, batch_tasks=2, group_size=2, advantage="grpo",
+                                       reject_degenerate=True))
+    c.ps = common.prefix_defaults()
+    c.rollout = common.staleness_defaults()
+    return c
+
+
 @pytest.mark.parametrize("form", ["paper", "reference"])
 def test_offline_start_from_a_values_file(tmp_path, form):
     values = {"task0": (2, 8), "task1": (0, 4), "task2": (3, 3), "nope": (1, 2)}

@@ -202,6 +202,14 @@ class SPO(Algorithm):
                 "np_rng": self.rng.bit_generator.state, "started": self.started}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "tracker" not in state:
+            # The step-0 checkpoint of a warm start shared with GRPO arms holds GRPO's
+            # host state: before any RL step there is nothing of SPO's to restore.
+            if int(state.get("step", -1)) != 0:
+                raise ValueError(f"the checkpoint at step {state.get('step')} holds no SPO "
+                                 f"state (keys {sorted(state)}): not an SPO run's")
+            log.info("step-0 checkpoint of another algorithm: SPO starts fresh")
+            return
         self.tracker.load_state_dict(state["tracker"])
         self.sampler.load_state_dict(state["spo_sampler"])
         self.rng.bit_generator.state = state["np_rng"]
