@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 import jax
@@ -85,6 +86,8 @@ def main(argv=None) -> None:
                         "and exit")
     p.add_argument("--eval_out", default="", metavar="PATH",
                    help="with --eval_only: where to write the evaluation's JSON")
+    p.add_argument("--eval_step", type=int, default=None, metavar="N",
+                   help="with --eval_only: evaluate checkpoint N instead of the latest")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set learner.optim.lr=1e-4 (repeatable; "
                         "values are Python literals, else strings)")
@@ -114,15 +117,16 @@ def main(argv=None) -> None:
     workdir = os.path.abspath(args.workdir)
     if args.eval_only and not os.path.isdir(os.path.join(workdir, "ckpt")):
         p.error(f"--eval_only: no checkpoints under {workdir}")
-    if args.eval_out and not args.eval_only:
-        p.error("--eval_out needs --eval_only")
+    if (args.eval_out or args.eval_step is not None) and not args.eval_only:
+        p.error("--eval_out and --eval_step need --eval_only")
     os.makedirs(workdir, exist_ok=True)
     if not args.eval_only and distributed.is_primary():  # (an evaluation leaves it as it is)
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=1))
     try:
         asyncio.run(run(config, workdir, eval_only=args.eval_only,
-                        eval_out=os.path.abspath(args.eval_out) if args.eval_out else None))
+                        eval_out=os.path.abspath(args.eval_out) if args.eval_out else None,
+                        eval_step=args.eval_step))
     except OSError as e:  # a full disk, a lost mount: its cause, not a traceback of the loop
         log.error("stopped: %s: %s", type(e).__name__, e)
         sys.exit(1)
@@ -157,10 +161,11 @@ def dry_run(config) -> dict[str, Any]:
     return summary
 
 
-async def run(config, workdir: str, eval_only: bool = False, eval_out: str | None = None) -> None:
+async def run(config, workdir: str, eval_only: bool = False, eval_out: str | None = None,
+              eval_step: int | None = None) -> None:
     """Everything after the config, on one event loop (engine batching, sandbox slots
-    and in-flight rollouts all live on it). eval_only: evaluate the latest checkpoint
-    (into eval_out if given)."""
+    and in-flight rollouts all live on it). eval_only: evaluate checkpoint eval_step
+    (None: the latest) into eval_out if given."""
     # ------------------------------------------------------------------ mesh
     mesh = sharding.make_mesh(**config.mesh)
     if jax.process_count() > 1:
@@ -199,7 +204,7 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
 
     if eval_only:
         try:
-            await r.evaluate_checkpoint(state, eval_out)
+            await r.evaluate_checkpoint(state, eval_out, eval_step)
         finally:
             r.ckpt.close()
             engine.close()
@@ -336,13 +341,17 @@ class Run:
                 start_metrics.update(await self.algo.start(bar.update))
             writer.write_scalars(first_step, start_metrics)
             log.info("offline start: %s", json.dumps(start_metrics))
+        last_save = time.perf_counter()  # for config.ckpt_every_s
         for step in range(first_step + 1, config.total_steps + 1):
             state, groups, lags, metrics = await self.step(step, state)
             if step % config.eval_every == 0 or step == config.total_steps:
                 metrics.update(await self.evaluate(step))
             self.report(step, groups, lags, metrics)
-            if step % config.ckpt_every == 0 or step == config.total_steps:
+            timed_out = (config.ckpt_every_s
+                         and time.perf_counter() - last_save >= config.ckpt_every_s)
+            if step % config.ckpt_every == 0 or step == config.total_steps or timed_out:
                 self.save(step, state)
+                last_save = time.perf_counter()
         return state
 
     async def step(self, step: int, state):
@@ -441,15 +450,16 @@ class Run:
                  len(scored))
         return out
 
-    async def evaluate_checkpoint(self, state, path: str | None = None) -> None:
-        """--eval_only: the latest readable checkpoint's weights on the held-out tasks
-        (e.g. a larger set than the run's, via --set env.eval_tasks=N), written to `path`
-        (default workdir/eval_only_{step}_{n}tasks.json)."""
+    async def evaluate_checkpoint(self, state, path: str | None = None,
+                                  step: int | None = None) -> None:
+        """--eval_only: checkpoint `step`'s weights (None: the latest readable one) on the
+        held-out tasks (e.g. a larger set than the run's, via --set env.eval_tasks=N),
+        written to `path` (default workdir/eval_only_{step}_{n}tasks.json)."""
         if self.ckpt.latest_step() is None:
             raise FileNotFoundError(f"--eval_only: no checkpoint in {self.ckpt.directory}")
         # The newest step that reads back (a damaged newer one is named in a warning and
         # left where it is); the output's name and rows carry the step evaluated.
-        step, state, _ = self.restore(None, state, set_aside=False)
+        step, state, _ = self.restore(step, state, set_aside=False)
         await distributed.sync_weights(self.engine, state.params,
                                        self.config.engine.kind == "sglang")
         n = len(self.eval_tasks)

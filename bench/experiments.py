@@ -37,14 +37,22 @@ ARMS = {
 }
 
 
-def _train(config: str, workdir: str, sets: Sequence[str], log_path: str) -> float:
+def _train(config: str, workdir: str, sets: Sequence[str], log_path: str,
+           timeout_s: float | None = None) -> float:
+    """Runs train.py; returns its wall time. timeout_s: the run is stopped (killed) then,
+    its checkpoints kept, and that is its end (e.g. an arm given another's wall clock)."""
     cmd = [sys.executable, "train.py", "--config", config, "--workdir", workdir]
     for s in sets:
         cmd += ["--set", s]
     t0 = time.perf_counter()
     with open(log_path, "a") as log:
         print(f"$ {' '.join(cmd)}", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                  timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            print(f"stopped after {timeout_s:.0f} s", file=log, flush=True)
+            return time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed with exit code {proc.returncode}; "
                            f"see {log_path}")
@@ -59,14 +67,16 @@ def _record(workdir: str) -> dict | None:
         return json.load(f)
 
 
-def warm_start(root: str, seed: int, sets: Sequence[str] = ()) -> str:
-    """The seed's SFT warm start directory, made if missing."""
+def warm_start(root: str, seed: int, sets: Sequence[str] = (),
+               config: str = "configs/default.py:seed={seed}") -> str:
+    """The seed's SFT warm start directory, made if missing (`config`: its spec, `{seed}`
+    filled in)."""
     workdir = os.path.join(root, f"seed{seed}", "sft")
     if _record(workdir) is None:
         os.makedirs(workdir, exist_ok=True)
         # A run has at least one RL step: the smallest one (one task, two rollouts), then
         # everything after the step-0 checkpoint is removed.
-        wall = _train(f"configs/default.py:seed={seed}", workdir,
+        wall = _train(config.format(seed=seed), workdir,
                       [*sets, "total_steps=1", "batch_tasks=1", "group_size=2"],
                       os.path.join(workdir, "log.txt"))
         truncate_to_step0(workdir)
@@ -88,18 +98,22 @@ def truncate_to_step0(workdir: str) -> None:
     drop_rows_after(os.path.join(workdir, "metrics.jsonl"), 0)
 
 
-def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = ()) -> str:
-    """Runs (or resumes, or skips when finished) one arm of one seed; returns its workdir."""
+def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = (),
+            arms: dict[str, str] = ARMS, warm: str = "configs/default.py:seed={seed}",
+            timeout_s: float | None = None) -> str:
+    """Runs (or resumes, or skips when finished) one arm of one seed; returns its workdir.
+    arms: arm name -> config spec; warm: the warm start's spec (`{seed}` filled in);
+    timeout_s: stop the run after that many seconds (see _train)."""
     workdir = os.path.join(root, f"seed{seed}", arm)
     record = _record(workdir)
     if record is not None and record.get("steps") == steps:
         return workdir
-    sft = warm_start(root, seed, sets)
+    sft = warm_start(root, seed, sets, warm)
     if not os.path.exists(workdir):
         shutil.copytree(sft, workdir, ignore=shutil.ignore_patterns(
             "run.json", "log.txt", "final_eval_*", "eval_only_*"))
-    wall = _train(ARMS[arm].format(seed=seed), workdir, [*sets, f"total_steps={steps}"],
-                  os.path.join(workdir, "log.txt"))
+    wall = _train(arms[arm].format(seed=seed), workdir, [*sets, f"total_steps={steps}"],
+                  os.path.join(workdir, "log.txt"), timeout_s)
     with open(os.path.join(workdir, "run.json"), "w") as f:
         json.dump({"arm": arm, "seed": seed, "steps": steps, "wall_s": wall,
                    "sft_wall_s": _record(sft)["wall_s"], "sets": list(sets),

@@ -214,7 +214,8 @@ def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:
         remaining_cap=0, prefix_cap=0,  # 0 = uncapped
         max_share=0.5, max_age=2, reprefix=False, adaptive=adaptive, ema_alpha=0.05,
         target=0.5, band=0.03, step_size=0.05, cooldown=5, ratio_min=0.05, ratio_max=0.95,
-        replay="patch"))  # or "reexec": re-run the prefix's tool calls
+        replay="patch",  # or "reexec": re-run the prefix's tool calls
+        revisit=False))  # a control: skewed tasks re-run from the start (no prefix)
 
 
 def spo_defaults() -> ConfigDict:
@@ -230,12 +231,15 @@ def spo_defaults() -> ConfigDict:
     Choices where the official code differs (rl.spo has both): duplicates
       ("sequential"; official "last"), adv_std_ddof (1, official), prior and unseen
       ((1, 1) and "draw"; official (0.5, 0.5) and "skip": prompts without an offline
-      value are never drawn).
+      value are never drawn), drift_tokens ("generated": D averages over the tokens the
+      policy generated; official "response": over every token after the prompt, tool
+      outputs included, as verl's compute_response_mask).
     """
     return ConfigDict(dict(
         rho_type="kl", d_half=0.06, rho_min=0.875, rho_max=0.96, prior=(1.0, 1.0),
         sampler_eps=0.05, pool_size=0, in_flight=96, init_samples=0, init_values="",
-        init_form="reference", duplicates="sequential", adv_std_ddof=1, unseen="draw"))
+        init_form="reference", duplicates="sequential", adv_std_ddof=1, unseen="draw",
+        drift_tokens="generated"))
 
 
 def learner_defaults() -> ConfigDict:
@@ -302,7 +306,8 @@ def distributed_defaults() -> dict[str, Any]:
 RANGES: dict[str, str] = {
     "seed": "[0, inf)", "total_steps": "[1, inf)", "batch_tasks": "[1, inf)",
     "group_size": "[1, inf)", "eval_every": "[1, inf)", "eval_temperature": "[0, inf)",
-    "ckpt_every": "[1, inf)", "ckpt_keep": "[1, inf)", "log_texts_every": "[1, inf)",
+    "ckpt_every": "[1, inf)", "ckpt_every_s": "[0, inf)", "ckpt_keep": "[1, inf)",
+    "log_texts_every": "[1, inf)",
     # model (a preset's fields overridden by the config)
     "model.hidden_size": "[1, inf)", "model.intermediate_size": "[1, inf)",
     "model.num_layers": "[1, inf)", "model.num_heads": "[1, inf)",
@@ -320,7 +325,7 @@ RANGES: dict[str, str] = {
     "engine.sglang.max_retries": "[0, inf)", "engine.sglang.health_timeout_s": "(0, inf)",
     "engine.sglang.host_gpus": "[0, inf)", "engine.sglang.context_length": "[0, inf)",
     "engine.sglang.export_keep": "[1, inf)",
-    "env.train_tasks": "[0, inf)", "env.eval_tasks": "[0, inf)", "env.difficulties": "[0, 2]",
+    "env.train_tasks": "[0, inf)", "env.eval_tasks": "[0, inf)", "env.difficulties": "[0, 3]",
     "env.task_seed": "[0, inf)", "env.eval_seed": "[0, inf)", "env.max_concurrent": "[1, inf)",
     "env.docker_slots": "[0, inf)", "env.latency.median_s": "[0, inf)",
     "env.latency.sigma": "[0, inf)", "env.latency.slow_share": "[0, 1]",
@@ -373,7 +378,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "engine.sglang.export_dtype": ("bfloat16", "float16", "float32"),
     "env.backend": ("local", "docker"),
     "rollout.grading": ("fresh", "in_place"), "rollout.stale": ("drop", "finish"),
-    "ps.replay": ("patch", "reexec"),
+    "ps.replay": ("patch", "reexec"), "spo.drift_tokens": ("generated", "response"),
     "spo.rho_type": ("kl", "constant"), "spo.init_form": ("reference", "paper"),
     "spo.duplicates": ("sequential", "last"), "spo.unseen": ("draw", "skip"),
     "learner.logprob_impl": (None, "reference", "xla", "pallas"),

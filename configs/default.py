@@ -12,7 +12,10 @@ demonstrations, then RL with GRPO + rejection sampling and Prefix Sampling.
 
 Options after the colon (`OPTIONS`): smoke, baseline (Prefix Sampling off), spo,
 adaptive (adaptive prefix controller), server (sample through a launched
-`inference.server` over SGLang's protocol, as on a GPU pod), seed=N, steps=N.
+`inference.server` over SGLang's protocol, as on a GPU pod), seed=N, steps=N,
+graded (the graded task family: two-bug tasks mixed with one-bug ones, a warm start on
+correct demonstrations only; see `graded` below), revisit (the Prefix Sampling control:
+skewed tasks re-run from the start instead of from a prefix).
 """
 
 import os
@@ -22,7 +25,7 @@ import ml_collections
 from configs import common
 
 OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, server=False, seed=0,
-               steps=0)
+               steps=0, graded=False, revisit=False)
 # The project's SGLang-protocol server on its CPU engine, launched like SGLang; it imports
 # this repository, which a launched server has off its sys.path unless its env says so.
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,9 +119,17 @@ def get_config(arg=None):
     c.eval_every = 4
     c.eval_temperature = 0.0  # greedy held-out evaluation
     c.ckpt_every = 5
+    # Also a checkpoint once ckpt_every_s seconds of the run have passed since the last
+    # (0: by step only), for comparisons at equal wall clock (evaluated afterwards with
+    # train.py --eval_only --eval_step N); ckpt_keep counts them too.
+    c.ckpt_every_s = 0.0
     c.ckpt_keep = 2
     c.log_texts_every = 10
 
+    if arg.graded:
+        graded(c)
+    if arg.revisit:
+        c.ps.revisit = True
     if arg.spo:
         c.algo = "spo"
         c.ps.enabled = False
@@ -150,3 +161,26 @@ def get_config(arg=None):
     if arg.steps:
         c.total_steps = arg.steps
     return common.lock(c)
+
+
+# The graded family: a difficulty that rises along the trajectory. A two-bug task (mini-SWE
+# difficulty 3: a caller and the helper it calls) is solved in 7 tool calls, the first
+# fix being the third; replayed through it, what is left is a one-bug task of difficulty
+# 1's kind, which the one-bug half of the mix teaches. So a prefix through the first fix
+# should leave a too-hard task near p = 0.5 rather than at 0 or 1 (bench.seed_claims
+# measures it). The demonstrations are all correct (no planted flaw to unlearn); the
+# SFT length sets how far the warm start gets.
+GRADED_DIFFICULTIES = (3, 1)
+
+
+def graded(c) -> None:
+    c.env.difficulties = GRADED_DIFFICULTIES
+    c.sft.imperfect_share = 0.0
+    c.sft.steps = 128
+    # A two-bug episode is 7 calls and ~1,500 tokens of context (views and test output).
+    c.rollout.update(max_steps=8, max_context=2048)
+    c.engine.max_len = 2048
+    c.learner.row_buckets = (1024, 2048)
+    # A 7-step success replayed for 3 steps (through the first fix): floor(7 * 0.6) = 4
+    # steps left to the policy.
+    c.ps.remaining_ratio = 0.6

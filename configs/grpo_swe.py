@@ -97,6 +97,10 @@ def get_config(arg=None, options=OPTIONS):
     c.eval_every = 10
     c.eval_temperature = 0.0
     c.ckpt_every = 5
+    # Also a checkpoint once ckpt_every_s seconds of the run have passed since the last
+    # (0: by step only), for comparisons at equal wall clock (evaluated afterwards with
+    # train.py --eval_only --eval_step N); ckpt_keep counts them too.
+    c.ckpt_every_s = 0.0
     c.ckpt_keep = 3
     c.log_texts_every = 5
     return common.lock(c)

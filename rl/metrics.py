@@ -32,6 +32,7 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from tensorboard.summary.writer.record_writer import RecordWriter
 
 from env.grading import error_kind
+from rl import prefix
 from rl.rollout import ENGINE_ERROR
 from rl.types import Trajectory
 
@@ -294,6 +295,9 @@ def rollout_metrics(trajs: Sequence[Trajectory], groups: Sequence[Sequence[Traje
     m["rollout/grades_cached"] = sum(t.grade_cached for t in scored)
     m["rollout/engine_errors"] = sum(t.is_env_error and t.error.startswith(ENGINE_ERROR)
                                      for t in trajs)
+    fresh = prefix.fresh_pass_rate(groups)
+    if fresh is not None:
+        m["rollout/fresh_pass_rate"] = fresh
     rewards = [[t.reward for t in g if t.is_scored] for g in groups]
     rewards = [r for r in rewards if r]
     m["rollout/solve_none"] = sum(max(r) == 0 for r in rewards)

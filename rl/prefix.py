@@ -15,6 +15,10 @@ A source of `total` agent steps is replayed for k steps:
     too_easy ("prefix" mode):    k = min(int(total * prefix_ratio), prefix_cap)
     k is clamped to [1, total - 1]; a source with total < 2 makes no prefix task.
 
+revisit=True is the control of the method: every skewed group queues its task to run
+again from the start (k = 0, no source replayed), scheduled like a prefix task, so a
+comparison with it separates what the prefix does from re-running the same tasks.
+
 One training step of the bookkeeping, as the trainer calls it:
 
     prefix_tasks = queue.take(step, batch_size, cfg.max_share)   # run first, freshest first
@@ -69,6 +73,7 @@ class PrefixConfig:
     replay: how a prefix task's code state is restored: "patch" (apply the source's diff
       after step k; fast) or "reexec" (re-run its k tool calls, logging observations that
       differ from the recorded ones); a prefix that cannot be restored is an env_error.
+    revisit: the control (module docstring): skewed tasks re-run from the start (k = 0).
     """
 
     low: float = 0.3
@@ -90,6 +95,7 @@ class PrefixConfig:
     ratio_min: float = 0.05
     ratio_max: float = 0.95
     replay: str = "patch"
+    revisit: bool = False
 
     def __post_init__(self):
         if self.replay not in ("patch", "reexec"):
@@ -198,7 +204,8 @@ def select_source(trajs: Sequence[Trajectory], kind: str,
 
 @dataclasses.dataclass
 class PrefixTask:
-    """A task to rerun from step k of a source trajectory.
+    """A task to rerun from step k of a source trajectory (k = 0: from the start, a
+    revisit with no source: no turns, no observation, no patch).
 
     turns: the source's first k turns, marked replayed (prefilled, never trained).
     next_obs_ids: the source's turns[k].obs_ids, i.e. the observation of step k (and the
@@ -239,6 +246,12 @@ def make_prefix_task(source: Trajectory, k: int, kind: str, step: int) -> Prefix
                       k=k, source_steps=source.num_steps, turns=turns,
                       next_obs_ids=list(source.turns[k].obs_ids),
                       patch=source.turns[k - 1].patch, created_step=step)
+
+
+def revisit_task(task_id: str, kind: str, step: int) -> PrefixTask:
+    """The task run again from its start (k = 0), queued like a prefix task (revisit)."""
+    return PrefixTask(task_id=task_id, source_uid="", kind=_check_kind(kind), k=0,
+                      source_steps=0, turns=[], next_obs_ids=[], patch="", created_step=step)
 
 
 # ---------------------------------------------------------------- queue
@@ -450,6 +463,14 @@ def prefix_pass_rates(groups: Sequence[Sequence[Trajectory]]) -> dict[str, tuple
     return out
 
 
+def fresh_pass_rate(groups: Sequence[Sequence[Trajectory]]) -> float | None:
+    """Pass rate of the scored rollouts of groups run from the task's start (no prefix
+    task, no revisit): the learning curve of a run with Prefix Sampling, whose pooled
+    pass rate the prefix tasks lift. None when no such rollout was scored."""
+    rewards = [t.reward for g in groups for t in g if t.is_scored and t.prefix is None]
+    return float(np.mean(rewards)) if rewards else None
+
+
 @dataclasses.dataclass
 class PrefixStep:
     """What build_prefix_tasks decided for one batch.
@@ -483,6 +504,10 @@ def build_prefix_tasks(groups: Sequence[Sequence[Trajectory]], step: int, cfg: P
         if cls not in KINDS:
             continue
         is_prefix_task = any(t.prefix is not None for t in group)
+        if cfg.revisit:
+            if not is_prefix_task or cfg.reprefix:
+                tasks.append(revisit_task(group[0].task_id, cls, step))
+            continue
         source = None if is_prefix_task and not cfg.reprefix else select_source(group, cls, rng)
         k = None if source is None else prefix_k(
             source.num_steps, cls, controller.ratio(cls), cfg.cap(cls))

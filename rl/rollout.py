@@ -289,11 +289,13 @@ class Agent:
         if self.latency is not None:
             kwargs["call_delay"] = functools.partial(self.latency.sleep, job.task.instance_id,
                                                      job.seed)
-        if job.prefix is None:
+        if job.prefix is None or job.prefix.k == 0:  # (k = 0: a revisit, from the start)
             episode = episode_lib.Episode(sandbox, job.task, **kwargs)
             first = episode.reset()
             if episode.status == "env_error":
                 raise SandboxError(episode.error)
+            if job.prefix is not None:
+                traj.prefix = job.prefix.info
             return episode, self.tokenizer.prompt_ids(self.cfg.system_prompt, first,
                                                       self.tools)
         p = job.prefix

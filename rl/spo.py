@@ -7,9 +7,12 @@ A visit with reward r in {0, 1} first discounts old evidence, then adds the new 
     rho = clip(2 ** (-D / D_half), rho_min, rho_max)        (defaults 0.875, 0.96, 0.06)
 
 D is how far the policy moved since it last acted on the prompt: the token mean of
-|logp_then - logp_now| over that visit's whole stored response (scored in its context,
-mask = the tokens the policy generated), logp_then taken right after that visit's
-update and logp_now right after this step's update. First visit: D = 0, rho = rho_max.
+|logp_then - logp_now| over that visit's whole stored response (scored in its context),
+logp_then taken right after that visit's update and logp_now right after this step's
+update. First visit: D = 0, rho = rho_max. Which tokens of a multi-turn episode the
+mean runs over is `drift_mask`'s choice (spo.drift_tokens): the tokens the policy
+generated (default), or every token after the prompt, tool outputs included, as the
+official code does.
 
 One training step, in the official order (verl-recipe spo_ray_trainer.py; rl.algos.spo
 runs it):
@@ -63,6 +66,27 @@ def rho_from_drift(D, d_half: float = 0.06, rho_min: float = 0.875,
     """rho[B] = clip(2 ** (-D / d_half), rho_min, rho_max) for D[B] >= 0."""
     D = np.asarray(D, dtype=np.float64)
     return np.clip(np.exp2(-D / d_half), rho_min, rho_max)
+
+
+DRIFT_TOKENS = ("generated", "response")
+
+
+def drift_mask(loss_mask, prompt_len: int, tokens: str = "generated") -> np.ndarray:
+    """The tokens D averages over, bool[T], in one episode's token stream[T].
+
+    "generated": loss_mask, the tokens the policy wrote (tool outputs, which the policy
+      did not choose and whose log-probs it is not trained on, left out).
+    "response": every position >= prompt_len, tool outputs included: the official
+      code's D, whose mask is verl's compute_response_mask (the attention mask over the
+      whole response part of the sequence, which in a multi-turn rollout holds the
+      tool observations between the policy's turns).
+    """
+    loss_mask = np.asarray(loss_mask)
+    if tokens == "generated":
+        return loss_mask.astype(bool)
+    if tokens == "response":
+        return np.arange(loss_mask.shape[0]) >= prompt_len
+    raise ValueError(f"drift tokens must be one of {DRIFT_TOKENS}, got {tokens!r}")
 
 
 def policy_drift(logp_then, logp_now, mask) -> float:

@@ -105,6 +105,50 @@ def test_order_value_before_update_drift_after_it():
     assert stored.logp.tolist() == score(2, [(ids2, mask2)])[0].tolist()
 
 
+def test_drift_over_the_whole_response_includes_tool_outputs():
+    """spo.drift_tokens="response": the stored window and D cover every token after the
+    prompt (built here from the turns), tool outputs included; the batch's
+    Var(r - v) / Var(r) is logged beside."""
+    algo = _algo(prior=(1.0, 1.0), drift_tokens="response")
+    rng = np.random.default_rng(1)
+    first = _traj("task0", 1, rng)
+    # r = (1, 0), v = (0.5, 0.5) at the prior: r - v = (0.5, -0.5), Var 0.25 / 0.25.
+    _, _, m = algo.advantages(1, [[first], [_traj("task1", 0, rng)]])
+    assert m["spo/residual_var_ratio"] == 1.0
+    asyncio.run(algo.after_update(1, 1))
+    third = [[_traj("task0", 1, rng)], [_traj("task3", 1, rng)], [_traj("task4", 0, rng)]]
+    v = algo.tracker.values(["task0", "task3", "task4"])
+    r = np.array([1.0, 1.0, 0.0])
+    assert algo.advantages(2, third)[2]["spo/residual_var_ratio"] == pytest.approx(
+        np.var(r - v) / np.var(r))
+    algo = _algo(prior=(1.0, 1.0), drift_tokens="response")
+    _step(algo, [[first], [_traj("task1", 0, rng)]], version=1)
+    ids, loss_mask, _ = first.token_arrays()
+    response = np.array([i >= len(first.turns[0].obs_ids) for i in range(len(ids))])
+    assert (response & ~loss_mask.astype(bool)).any()   # tool outputs in the window
+    assert algo.tracker.pending_d_requests(["task0"])["task0"].mask.tolist() == response.tolist()
+    _, _, m = _step(algo, [[_traj("task0", 0, rng)], [_traj("task2", 1, rng)]], version=2)
+    D = spo.policy_drift(*score(1, [(ids, response)]), *score(2, [(ids, response)]), response)
+    assert m["spo/drift_mean"] == pytest.approx(D / 2, rel=1e-12)
+
+
+def test_spo_starts_fresh_from_a_grpo_warm_start_but_not_from_a_later_step():
+    grpo = algos.GRPOPrefix(algos.Context(_grpo_config(), None, _tasks(), score=None))
+    algo = _algo(start=False, init_samples=2)
+    algo.load_state_dict({"step": 0, **grpo.state_dict()})
+    assert not algo.started and len(algo.tracker) == 0
+    with pytest.raises(ValueError, match="step 3 holds no SPO state"):
+        algo.load_state_dict({"step": 3, **grpo.state_dict()})
+
+
+def _grpo_config():
+    c = ml_collections.ConfigDict(dict(seed=0, batch_tasks=2, group_size=2, advantage="grpo",
+                                       reject_degenerate=True))
+    c.ps = common.prefix_defaults()
+    c.rollout = common.staleness_defaults()
+    return c
+
+
 @pytest.mark.parametrize("form", ["paper", "reference"])
 def test_offline_start_from_a_values_file(tmp_path, form):
     values = {"task0": (2, 8), "task1": (0, 4), "task2": (3, 3), "nope": (1, 2)}

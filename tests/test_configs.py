@@ -72,6 +72,10 @@ CHANGES = {
               "spo.in_flight", "tokenizer.bpe_vocab_size", "total_steps"},
     "baseline": {"ps.enabled"}, "spo": {"algo", "batch_tasks", "group_size", "ps.enabled"},
     "adaptive": {"ps.adaptive"}, "seed": {"seed", "learner.seed"}, "steps": {"total_steps"},
+    "graded": {"env.difficulties", "sft.imperfect_share", "sft.steps", "rollout.max_steps",
+               "rollout.max_context", "engine.max_len", "learner.row_buckets",
+               "ps.remaining_ratio"},
+    "revisit": {"ps.revisit"},
     "server": {"engine.kind", "engine.sglang.command", "engine.sglang.env",
                "engine.sglang.export_dtype",
                "engine.sglang.health_timeout_s", "engine.sglang.host_gpus",
@@ -344,7 +348,7 @@ def test_choices_agree_with_the_code_that_reads_them():
     from env import grading, sandbox
     from inference import sglang
     from kernels.logprob import api as logprob_api
-    from rl import loss, rollout
+    from rl import loss, rollout, spo
 
     owners = {"model.preset": tuple(qwen3.PRESETS), "model.remat": tuple(qwen3.REMAT_POLICIES),
               "model.attention": qwen3.ATTENTION_IMPLS,
@@ -354,7 +358,8 @@ def test_choices_agree_with_the_code_that_reads_them():
               "learner.loss.tis_level": loss.TIS_LEVELS,
               "learner.logprob_impl": (None, *logprob_api.IMPLEMENTATIONS),
               "learner.loss.name": tuple(loss.TOKEN_LOSSES),
-              "learner.loss.agg": tuple(loss.AGGREGATIONS), "learner.loss.kl": loss.KL_KINDS}
+              "learner.loss.agg": tuple(loss.AGGREGATIONS), "learner.loss.kl": loss.KL_KINDS,
+              "spo.drift_tokens": spo.DRIFT_TOKENS}
     for key, values in owners.items():
         assert set(common.CHOICES[key]) == set(values), key
 

@@ -13,9 +13,11 @@ from rl.prefix import (
     build_prefix_tasks,
     classify,
     classify_groups,
+    fresh_pass_rate,
     make_prefix_task,
     prefix_k,
     prefix_metrics,
+    revisit_task,
     select_source,
 )
 from rl.types import PrefixInfo, Trajectory, Turn
@@ -210,6 +212,37 @@ def test_build_prefix_tasks_and_metrics():
     assert m["ps/prefix_pass_rate"] == 0.25
     assert m["ps/new_prefix_tasks/too_hard"] == 1 and m["ps/ratio/too_easy"] == 0.25
     assert m["ps/generated_tokens"] == sum(t.num_generated_tokens for g in groups for t in g)
+
+
+def test_revisit_queues_skewed_tasks_from_the_start():
+    """The control: each too_hard / too_easy fresh group queues its task at k = 0 (no
+    source, nothing replayed); normal and degenerate groups, and groups that were
+    themselves revisits, queue nothing; training and the controller are as with PS."""
+    groups = [group([0] * 8, "fail"), group([1] * 8, "pass"),
+              group([1] * 4 + [0] * 4, "normal"), group([1] + [0] * 7, "hard"),
+              group([1] * 7 + [0], "easy"),
+              group([1, 0, 0, 0, 0, 0, 0, 0], "again", prefix=PrefixInfo("", 0, "too_hard"))]
+    ps = build_prefix_tasks(groups, 3, PrefixConfig(revisit=True), AdaptiveController(),
+                            np.random.default_rng(0))
+    assert [(t.task_id, t.kind, t.k, t.turns, t.patch, t.created_step) for t in ps.tasks] == [
+        ("hard", "too_hard", 0, [], "", 3), ("easy", "too_easy", 0, [], "", 3)]
+    assert ps.train == [False, False, True, True, True, True] and ps.no_source == 0
+    assert ps.pass_counts["too_hard"] == (1, 8)       # the revisited group's rollouts
+    q = PrefixQueue()
+    q.push(ps.tasks + tasks_at(1, 1))
+    q2 = PrefixQueue()
+    q2.load_state_dict(q.state_dict())
+    assert q2.tasks == q.tasks and q2.tasks[0] == revisit_task("hard", "too_hard", 3)
+    assert q2.tasks[0].info == PrefixInfo("", 0, "too_hard") and q2.tasks[0].num_prefix_tokens == 0
+
+
+def test_fresh_pass_rate_leaves_out_prefixed_and_unscored_rollouts():
+    info = PrefixInfo("x", 2, "too_hard")
+    groups = [group([1, 0, 0, 0], "a"), group([1, 1, 1, 1], "b", prefix=info),
+              group([1, 0], "c", status="env_error"), group([0, 1, 1], "d")]
+    # Plain count: fresh scored rollouts are a's four and d's three.
+    assert fresh_pass_rate(groups) == pytest.approx(3 / 7)
+    assert fresh_pass_rate([group([1, 1], "b", prefix=info)]) is None
 
 
 # ---------------------------------------------------------------- adaptive controller

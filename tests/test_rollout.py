@@ -109,6 +109,19 @@ def test_expert_demonstration_token_accounting(model, tokenizer, factory):
     assert not logp[mask == 0].any()
 
 
+def test_revisit_job_runs_from_the_start_and_is_marked(model, tokenizer, factory):
+    """A k = 0 task (ps.revisit) runs exactly as a fresh job of the same seed, token for
+    token (same first prompt, same sampled ids), and carries its PrefixInfo."""
+    fresh = asyncio.run(make_agent(model, tokenizer, factory).run(RolloutJob(TASKS[1], seed=3)))
+    job = RolloutJob(TASKS[1], seed=3,
+                     prefix=prefix.revisit_task(TASKS[1].instance_id, "too_hard", 0))
+    again = asyncio.run(make_agent(model, tokenizer, factory).run(job))
+    assert again.prefix == prefix.PrefixInfo("", 0, "too_hard") and fresh.prefix is None
+    assert [t.obs_ids for t in again.turns] == [t.obs_ids for t in fresh.turns]
+    assert [t.action_ids for t in again.turns] == [t.action_ids for t in fresh.turns]
+    assert not any(t.replayed for t in again.turns) and again.num_replayed_tokens == 0
+
+
 def test_sampled_rollout_is_token_in_token_out(model, tokenizer, factory):
     agent = make_agent(model, tokenizer, factory)
     traj = asyncio.run(agent.run(RolloutJob(TASKS[1], seed=3)))

@@ -11,6 +11,7 @@ from rl.spo import (
     BetaTracker,
     OfflineValuesError,
     PrioritizedSampler,
+    drift_mask,
     load_offline_values,
     offline_prior,
     policy_drift,
@@ -104,6 +105,31 @@ def test_policy_drift_hand_values():
     assert policy_drift([-1.0], [-2.0], [0]) == 0.0
     with pytest.raises(ValueError, match="one shape"):
         policy_drift([-1.0, 0.0], [-1.0], [1, 1])
+
+
+def test_drift_mask_generated_or_whole_response():
+    """A 3-turn episode (prompt, then tool outputs between the policy's turns): the
+    "generated" mask is the loss mask; "response" marks every token after the prompt,
+    built here turn by turn, and D over it includes the tool outputs' drift."""
+    from rl.types import Trajectory, Turn
+
+    turns = [Turn(obs_ids=[1] * 5 if i == 0 else [2] * 3, action_ids=[3] * (2 + i),
+                  action_logprobs=[-1.0] * (2 + i)) for i in range(3)]
+    traj = Trajectory(task_id="t", uid="u", turns=turns, reward=1.0, status="finished")
+    ids, loss_mask, _ = traj.token_arrays()
+    expected = []
+    for i, t in enumerate(turns):
+        expected += [i > 0] * len(t.obs_ids) + [True] * len(t.action_ids)
+    got = drift_mask(loss_mask, len(turns[0].obs_ids), "response")
+    assert got.tolist() == expected and got.dtype == bool
+    assert drift_mask(loss_mask, 5, "generated").tolist() == [bool(m) for m in loss_mask]
+    # Drift on the tool outputs only: invisible to "generated", seen by "response".
+    then = np.zeros(len(ids))
+    now = np.where(np.array(expected) & ~loss_mask.astype(bool), 0.4, 0.0)
+    assert policy_drift(then, now, drift_mask(loss_mask, 5, "generated")) == 0.0
+    assert policy_drift(then, now, got) == pytest.approx(0.4 * 6 / 15)
+    with pytest.raises(ValueError, match="drift tokens"):
+        drift_mask(loss_mask, 5, "all")
 
 
 def test_drift_requests_and_store_flow():

@@ -78,10 +78,12 @@ def _steps(workdir):
 
 def test_smoke_run_resumes_after_kill(tmp_path):
     workdir = str(tmp_path / "run")
+    # Checkpoints by wall clock only (ckpt_every_s: any time counts), none by step.
     proc = subprocess.Popen(
         [sys.executable, "train.py", "--config", "configs/default.py:smoke", "--workdir",
-         workdir], cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True, start_new_session=True)
+         workdir, "--set", "ckpt_every=10", "--set", "ckpt_every_s=1e-6"], cwd=ROOT,
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
     # Kill as soon as the checkpoint of RL step 1 is complete (Orbax finalises a step
     # by renaming its directory to the bare step number).
     deadline = time.monotonic() + 400
@@ -134,6 +136,15 @@ def test_smoke_run_resumes_after_kill(tmp_path):
     with open(os.path.join(workdir, "config.json")) as f:
         assert f.read() == config_before
     assert sorted(glob.glob(os.path.join(workdir, "tb", "*"))) == events_before
+    # --eval_step: an earlier checkpoint than the latest, its step in the file.
+    out = subprocess.run(
+        [sys.executable, "train.py", "--config", "configs/default.py:smoke", "--workdir",
+         workdir, "--eval_only", "--eval_step", "1", "--eval_out",
+         str(tmp_path / "step1.json")], cwd=ROOT, env=_env(), capture_output=True, text=True,
+        timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    with open(tmp_path / "step1.json") as f:
+        assert json.load(f)["step"] == 1
     empty = subprocess.run(
         [sys.executable, "train.py", "--config", "configs/default.py:smoke", "--workdir",
          str(tmp_path / "empty"), "--eval_only"], cwd=ROOT, env=_env(), capture_output=True,
@@ -144,7 +155,7 @@ def test_smoke_run_resumes_after_kill(tmp_path):
         [sys.executable, "train.py", "--config", "configs/default.py:smoke", "--workdir",
          str(tmp_path / "stray"), "--eval_out", str(tmp_path / "x.json")], cwd=ROOT,
         env=_env(), capture_output=True, text=True, timeout=120)
-    assert stray.returncode == 2 and "--eval_out needs --eval_only" in stray.stderr
+    assert stray.returncode == 2 and "need --eval_only" in stray.stderr
     assert not os.path.exists(tmp_path / "stray")
 
 

@@ -59,6 +59,9 @@ class SPO(Algorithm):
         self.cfg, self.agent, self.score = c.spo, ctx.agent, ctx.score
         if self.cfg.init_samples and self.cfg.init_values:
             raise ValueError("set one of spo.init_samples and spo.init_values, not both")
+        if self.cfg.drift_tokens not in spo.DRIFT_TOKENS:
+            raise ValueError(f"spo.drift_tokens must be one of {spo.DRIFT_TOKENS}, "
+                             f"got {self.cfg.drift_tokens!r}")
         if self.cfg.unseen not in ("draw", "skip"):
             raise ValueError(f"spo.unseen must be 'draw' or 'skip', got {self.cfg.unseen!r}")
         self.batch_tasks = self.rollouts_per_step = c.batch_tasks
@@ -161,12 +164,21 @@ class SPO(Algorithm):
         ids = [t.task_id for t in scored]
         rewards = np.array([t.reward for t in scored], np.float64)
         v_before = self.tracker.values(ids)
-        self._pending = (ids, rewards, [t.token_arrays()[:2] for t in scored])
+        self._pending = (ids, rewards, [self._drift_window(t) for t in scored])
         adv = spo.spo_advantages(rewards, v_before, ddof=self.cfg.adv_std_ddof)
         metrics = {"spo/v_mean": float(v_before.mean())}
+        if rewards.var() > 0:  # the share of the reward's variance the baseline leaves
+            metrics["spo/residual_var_ratio"] = float((rewards - v_before).var()
+                                                      / rewards.var())
         if self.max_staleness and self._collector is not None:
             metrics.update(self._collector.stats())
         return scored, adv, metrics
+
+    def _drift_window(self, traj: Trajectory) -> tuple[np.ndarray, np.ndarray]:
+        """(ids[T], the tokens D averages over[T]) of one response (spo.drift_tokens)."""
+        ids, loss_mask = traj.token_arrays()[:2]
+        prompt_len = len(traj.turns[0].obs_ids) if traj.turns else len(ids)
+        return ids, spo.drift_mask(loss_mask, prompt_len, self.cfg.drift_tokens)
 
     async def after_update(self, step: int, params) -> dict[str, float]:
         """D under the updated params, the tracker update, this step's responses stored."""
@@ -198,6 +210,14 @@ class SPO(Algorithm):
                 "np_rng": self.rng.bit_generator.state, "started": self.started}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "tracker" not in state:
+            # The step-0 checkpoint of a warm start shared with GRPO arms holds GRPO's
+            # host state: before any RL step there is nothing of SPO's to restore.
+            if int(state.get("step", -1)) != 0:
+                raise ValueError(f"the checkpoint at step {state.get('step')} holds no SPO "
+                                 f"state (keys {sorted(state)}): not an SPO run's")
+            log.info("step-0 checkpoint of another algorithm: SPO starts fresh")
+            return
         self.tracker.load_state_dict(state["tracker"])
         self.sampler.load_state_dict(state["spo_sampler"])
         self.rng.bit_generator.state = state["np_rng"]
