@@ -26,7 +26,7 @@ from typing import Any
 from env.tasks import Task
 
 TEST_RUN = "python3 -m unittest -q"
-# Grading names every test's result (env.grading.parse_unittest): verbose.
+# Grading names every test's result (env.logparsers.parse_unittest): verbose.
 GRADE_RUN = "python3 -m unittest -v"
 GITIGNORE = "__pycache__/\n*.pyc\n"
 _SITE = re.compile(r"«([^»]*)»")
