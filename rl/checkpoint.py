@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import base64
 import errno
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -59,6 +61,27 @@ def decode_host(value: Any) -> Any:
     if isinstance(value, list):
         return [decode_host(v) for v in value]
     return value
+
+
+def saved_digests(workdir: str, step: int) -> tuple[str, str, list[str]]:
+    """(sha256 of checkpoint `step`'s train state: every array's path, dtype and bytes;
+    sha256 of its host-state JSON, keys sorted; the host state's keys), read from
+    workdir/ckpt as saved, without a model to restore into: to show two runs end in the
+    same state."""
+    path = os.path.join(workdir, "ckpt", str(step))
+    checkpointer = ocp.PyTreeCheckpointer()
+    tree = checkpointer.metadata(os.path.join(path, "state")).item_metadata.tree
+    restored = checkpointer.restore(os.path.join(path, "state"), restore_args=jax.tree.map(
+        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    h = hashlib.sha256()
+    for key, value in jax.tree_util.tree_leaves_with_path(restored):
+        value = np.ascontiguousarray(value)
+        h.update(jax.tree_util.keystr(key).encode() + value.dtype.str.encode())
+        h.update(value.tobytes())
+    with open(os.path.join(path, "host", "metadata")) as f:
+        host = json.load(f)
+    host_sha = hashlib.sha256(json.dumps(host, sort_keys=True).encode()).hexdigest()
+    return h.hexdigest(), host_sha, sorted(host)
 
 
 class Checkpointer:

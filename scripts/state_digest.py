@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import glob
-import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
-
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = {
@@ -46,26 +43,15 @@ def _env() -> dict[str, str]:
     return env
 
 
-def state_digests(workdir: str, step: int) -> dict[str, str]:
+def state_digests(workdir: str, step: int) -> dict[str, object]:
     """sha256 of checkpoint `step`'s train state and of its host-state JSON."""
-    import jax  # (only for the digests of a run, not for --dry_runs)
-    import orbax.checkpoint as ocp
+    # Here, not at the top: JAX only for a run's digests (not --dry_runs), and the
+    # repository's packages on the path of a script run as a file.
+    sys.path.insert(0, ROOT)
+    from rl.checkpoint import saved_digests
 
-    checkpointer = ocp.PyTreeCheckpointer()
-    path = os.path.join(workdir, "ckpt", str(step), "state")
-    tree = checkpointer.metadata(path).item_metadata.tree
-    restored = checkpointer.restore(path, restore_args=jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
-    h = hashlib.sha256()
-    for key, value in jax.tree_util.tree_leaves_with_path(restored):
-        value = np.ascontiguousarray(value)
-        h.update(jax.tree_util.keystr(key).encode() + value.dtype.str.encode())
-        h.update(value.tobytes())
-    with open(os.path.join(workdir, "ckpt", str(step), "host", "metadata")) as f:
-        host = json.load(f)
-    return {"train_state": h.hexdigest(),
-            "host_state": hashlib.sha256(json.dumps(host, sort_keys=True).encode()).hexdigest(),
-            "host_keys": sorted(host)}
+    train, host, keys = saved_digests(workdir, step)
+    return {"train_state": train, "host_state": host, "host_keys": keys}
 
 
 def run(name: str, args: list[str], workdir: str) -> dict[str, object]:

@@ -4,7 +4,6 @@ each batch's lag, and a kill in the middle loses and repeats no job."""
 
 import contextlib
 import glob
-import hashlib
 import json
 import os
 import signal
@@ -12,10 +11,10 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
 from tensorboard.compat.proto import event_pb2
 
+from rl.checkpoint import saved_digests
 from rl.seeds import job_seed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,24 +47,9 @@ def _run(workdir, args, timeout=900):
 
 
 def _digests(workdir: str, step: int) -> tuple[str, str]:
-    """sha256 (16 hex digits) of checkpoint `step`'s train state, every array's path,
-    dtype and bytes, and of its host-state JSON."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    checkpointer = ocp.PyTreeCheckpointer()
-    path = os.path.join(workdir, "ckpt", str(step), "state")
-    tree = checkpointer.metadata(path).item_metadata.tree
-    restored = checkpointer.restore(path, restore_args=jax.tree.map(
-        lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
-    h = hashlib.sha256()
-    for key, value in jax.tree_util.tree_leaves_with_path(restored):
-        value = np.ascontiguousarray(value)
-        h.update(jax.tree_util.keystr(key).encode() + value.dtype.str.encode())
-        h.update(value.tobytes())
-    with open(os.path.join(workdir, "ckpt", str(step), "host", "metadata")) as f:
-        host = hashlib.sha256(json.dumps(json.load(f), sort_keys=True).encode()).hexdigest()
-    return h.hexdigest()[:16], host[:16]
+    """16 hex digits of each of checkpoint `step`'s digests (rl.checkpoint.saved_digests)."""
+    train, host, _ = saved_digests(workdir, step)
+    return train[:16], host[:16]
 
 
 def _metrics(workdir):
