@@ -30,13 +30,12 @@ directory and the host paths the view names (the toolchain), a few names of /etc
 passwd and group of its own, and a few devices; no other host path is there to read,
 through a link or otherwise. Every mount is read-only except the sandbox directory (and
 a small tmpfs on /dev/shm, fresh for every command), so no host path is writable,
-whatever its permissions. Its child, the PID
-namespace's init, is the server: it mounts the namespace's own /proc (commands see
-only the sandbox's processes, none of the trainer's) and brings up a loopback of its
-own. Every process in the namespace but the server is a command's, so after a command
-`kill(-1, SIGKILL)` ends them all; if the server dies, the kernel kills every process
-in the namespace. The starting process waits for the server and exits with it; the
-server gets SIGKILL if the starting process dies.
+whatever its permissions. Its child, the PID namespace's init, is the server: it mounts
+the namespace's own /proc (commands see only the sandbox's processes, none of the
+trainer's) and brings up a loopback of its own. Every process in the namespace but the
+server is a command's, so after a command `kill(-1, SIGKILL)` ends them all; if the
+server dies, the kernel kills every process in the namespace. The starting process waits
+for the server and exits with it; the server gets SIGKILL if the starting process dies.
 
 Not isolated: the server marks itself a child subreaper (prctl), so every orphaned
 descendant is re-parented to it rather than to PID 1, and after each command SIGKILLs
@@ -52,8 +51,8 @@ n, ...}; "RLIMIT_NPROC" counts on top of the uid's running processes when uid is
 since the count is per user), isolate (str | null), view ({"read_only": [host paths],
 "etc": [name patterns of /etc], "passwd": text, "group": text}; with isolate), cgroup
 (str | null: the `cgroup.procs` file of a memory cgroup to join, env.sandbox.cgroup).
-Request keys: argv (list[str]), script (str | null: when given, bash runs it instead of argv),
-timeout (s).
+Request keys: argv (list[str]), script (str | null: when given, bash runs it instead of
+argv), timeout (s).
 """
 
 import contextlib

@@ -61,11 +61,12 @@ class RootView:
 
     def config(self, uid: int | None, home: str) -> dict:
         """The supervisor's `view` config (supervise.py) for commands run as `uid`."""
-        own = [] if uid is None else [(f"sandbox:x:{uid}:{uid}::{home}:/bin/bash",
-                                       f"sandbox:x:{uid}:")]
-        passwd = ["root:x:0:0:root:/root:/bin/bash", *(p for p, _ in own),
-                  "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin"]
-        group = ["root:x:0:", *(g for _, g in own), "nogroup:x:65534:"]
+        passwd, group = ["root:x:0:0:root:/root:/bin/bash"], ["root:x:0:"]
+        if uid is not None:
+            passwd.append(f"sandbox:x:{uid}:{uid}::{home}:/bin/bash")
+            group.append(f"sandbox:x:{uid}:")
+        passwd.append("nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin")
+        group.append("nogroup:x:65534:")
         return {"read_only": list(self.read_only), "etc": list(self.etc),
                 "passwd": "\n".join(passwd) + "\n", "group": "\n".join(group) + "\n"}
 
