@@ -14,7 +14,7 @@ engine's code is read from git (`git show <old>:inference/embedded.py`, its
 `sampling.py` and its `models/qwen3.py`, whose decode path and cache layout the engine
 uses) and imported beside this tree's. The old engine's rollouts run in the local
 sandboxes of --old-sandbox (default: the --old commit, so the old arm is the old
-code's whole rollout phase; its env/sandbox/local.py, supervise.py and supervisor.py
+code's whole rollout phase; its env/sandbox/local.py, supervisor program and supervisor.py
 imported as bench.env imports them), or in this tree's with `--old-sandbox new` (the
 engines alone compared). Both arms run this tree's Agent, tools and grading, the old
 arm without the grade cache (rollout.grade_cache=False), which the old commit lacks.

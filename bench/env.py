@@ -6,7 +6,7 @@
     python -m bench.env --levels 4 --per_slot 4 --old ''    # fresh vs in-place grading only
 
 The local backend runs twice at each level: this tree's, and the one of `--old` (a
-commit, read from git: its env/sandbox/local.py, supervise.py and supervisor.py,
+commit, read from git: its env/sandbox/local.py, supervisor program and supervisor.py,
 imported beside this tree's; the default, 3277056, started a supervisor process per
 command). `local_new_over_old` is the ratio of their episodes/s; `load` is the load
 average before and after the run.
@@ -83,16 +83,19 @@ def _guarded(factory, task, grading: str) -> str:
 
 def old_local_factory(old: str, root: str):
     """task -> a LocalSandbox of commit `old`, imported as package `sandbox_old` under
-    `root`: its local.py, supervise.py and (where it has one) supervisor.py side by side,
-    local.py importing that supervisor.py, not this tree's."""
+    `root`: its local.py, its supervisor's program (supervise.py or supervisor_main.py)
+    and (where it has one) supervisor.py side by side, local.py importing that
+    supervisor.py, not this tree's."""
     package = os.path.join(root, "sandbox_old")
     os.makedirs(package, exist_ok=True)
     open(os.path.join(package, "__init__.py"), "w").close()
-    for name in ("local", "supervise", "supervisor"):
+    # The supervisor's program was supervise.py before it was supervisor_main.py; each
+    # file keeps its commit's name, by which that commit's supervisor.py starts it.
+    for name in ("local", "supervise", "supervisor_main", "supervisor"):
         shown = subprocess.run(["git", "show", f"{old}:env/sandbox/{name}.py"],
                                capture_output=True, text=True)
-        if shown.returncode and name == "supervisor":
-            continue  # older commits: local.py started supervise.py itself
+        if shown.returncode and name != "local":
+            continue  # older commits: no supervisor.py (local.py started supervise.py)
         shown.check_returncode()
         src = shown.stdout.replace("from env.sandbox.supervisor import",
                                    "from sandbox_old.supervisor import")

@@ -81,7 +81,7 @@ PRIVATE = {
     "rl/algos": ("rl.algos.base", "rl.algos.grpo_ps", "rl.algos.spo"),  # via rl.algos
     # via env.sandbox (with env.sandbox.base, the interface, and env.sandbox.pool)
     "env/sandbox": tuple(f"env.sandbox.{m}" for m in (
-        "factory", "local", "docker", "fleet", "supervisor", "supervise", "shell", "fsread",
+        "factory", "local", "docker", "fleet", "supervisor", "supervisor_main", "shell", "fsread",
         "output", "paths")),
     "inference": ("inference.embedded",),  # engines via inference.build
 }

@@ -3,7 +3,7 @@
 An rlimit bounds one process's address space; three processes under it can still hold
 three times as much. A cgroup bounds their sum (and the tmpfs pages they write): past
 it the kernel's OOM killer ends a process of the group. The sandbox's supervisor
-joins the group before it forks anything (supervise.py, config key `cgroup`), so every
+joins the group before it forks anything (supervisor_main.py, config key `cgroup`), so every
 command's process is in it; each command runs at an `oom_score_adj` of 1000, so the
 killer picks a command's process, not the supervisor.
 

@@ -3,7 +3,7 @@
 Layout of one sandbox: `<tmp>/sandbox-XXXX/{repo,home,tmp}`; `repo` is a git checkout
 whose base commit `patch()` diffs against.
 
-Isolation: every command runs under the sandbox's supervisor (supervise.py, one long-
+Isolation: every command runs under the sandbox's supervisor (supervisor_main.py, one long-
 lived process per sandbox, forked with it; env.sandbox.supervisor talks to it), with the
 sandbox's own environment (PATH, HOME, TMPDIR, LANG: nothing of the trainer's) and
 rlimits (CPU seconds, address space, file size, processes). As root (required unless
@@ -18,7 +18,7 @@ the loopback is its own (no inference server to call). RLIMIT_NPROC is counted p
 and not enforced for root, so only a dedicated uid makes the process limit hold (a fork
 bomb stays bounded) without touching other users' count. The sandbox directory is a
 tmpfs of `disk_bytes`, which bounds everything it holds. The command text reaches bash
-through a memfd (see supervise.py), so its length is not bounded by argv. Commands of
+through a memfd (see supervisor_main.py), so its length is not bounded by argv. Commands of
 one sandbox run one at a time. A supervisor that dies or stops answering is a
 SandboxError for that command and every later one.
 

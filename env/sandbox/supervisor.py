@@ -1,5 +1,5 @@
-"""The host's end of a sandbox's supervisor (supervise.py): one process per sandbox,
-forked by supervise.py's fork server, that runs each command sent to it.
+"""The host's end of a sandbox's supervisor (supervisor_main.py): one process per sandbox,
+forked by supervisor_main.py's fork server, that runs each command sent to it.
 
 `Supervisor.run` sends one command with its stdin, stdout and stderr (pipes this
 process reads) and collects the output until the supervisor's status line and end of
@@ -32,7 +32,7 @@ import time
 from env.sandbox import base
 from env.sandbox.output import CappedOutput
 
-SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervise.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "supervisor_main.py")
 # Extra wall time the supervisor gets beyond the command timeout before it counts as broken.
 GRACE_S = 15.0
 START_TIMEOUT_S = 60.0
@@ -60,7 +60,7 @@ class RootView:
     etc: tuple[str, ...] = ETC
 
     def config(self, uid: int | None, home: str) -> dict:
-        """The supervisor's `view` config (supervise.py) for commands run as `uid`."""
+        """The supervisor's `view` config (supervisor_main.py) for commands run as `uid`."""
         passwd, group = ["root:x:0:0:root:/root:/bin/bash"], ["root:x:0:"]
         if uid is not None:
             passwd.append(f"sandbox:x:{uid}:{uid}::{home}:/bin/bash")
@@ -80,12 +80,12 @@ class Completed:
 
 
 class Supervisor:
-    """A started supervise.py: `run` commands, then `stop`.
+    """A started supervisor_main.py: `run` commands, then `stop`.
 
     cwd, env: the supervisor's (and so every command's) working directory and
     environment. uid: the uid commands run as (None: the caller's). rlimits: per-command
     rlimits by name. isolate: the sandbox directory, to run in new namespaces (None: not),
-    with a root that holds only it and `view` (see supervise.py). cgroup: the
+    with a root that holds only it and `view` (see supervisor_main.py). cgroup: the
     `cgroup.procs` file of the memory cgroup the supervisor and its commands join.
     """
 
@@ -335,7 +335,7 @@ class _Forked:
 
 
 class _ForkServer:
-    """A started `supervise.py SERVER_FD`: `spawn` supervisors, `reap` them."""
+    """A started `supervisor_main.py SERVER_FD`: `spawn` supervisors, `reap` them."""
 
     def __init__(self):
         ours, theirs = socket.socketpair()
@@ -383,7 +383,7 @@ class _ForkServer:
 
 
 def _send_request(sock: socket.socket, request: dict, fds: list[int] | tuple = ()) -> None:
-    """A request as supervise.py reads it: a 4-byte big-endian length, sent with `fds`
+    """A request as supervisor_main.py reads it: a 4-byte big-endian length, sent with `fds`
     (SCM_RIGHTS), then the request's JSON."""
     payload = json.dumps(request).encode("utf-8", "surrogateescape")
     header = struct.pack(">I", len(payload))

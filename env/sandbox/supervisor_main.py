@@ -1,8 +1,9 @@
-"""A sandbox's supervisor: one long-lived process that runs every command sent to it
-and leaves no process of a command behind.
+"""The program of a sandbox's supervisor (its host end is env.sandbox.supervisor): one
+long-lived process that runs every command sent to it and leaves no process of a command
+behind.
 
 Supervisors are forked from a fork server: env.sandbox.supervisor starts `python -I -S
-supervise.py SERVER_FD` once per process, and the server forks one supervisor per
+supervisor_main.py SERVER_FD` once per process, and the server forks one supervisor per
 sandbox (a fork of an interpreter that has imported this module, not a new
 interpreter: a sandbox's start costs a fork). A request to the server on SERVER_FD (a
 Unix stream socket) is a 4-byte big-endian length and its JSON, `{"cwd", "env",
