@@ -137,7 +137,7 @@ def dry_run(config) -> dict[str, Any]:
     parameters and optimizer state, the mesh plan, Prefix Sampling / SPO state, the
     rollout budgets and (for SGLang) the server command line. Returns a summary."""
     check_config(config)
-    cfg = loading.model_config(config.model, config.tokenizer.get("bpe_vocab_size", None),
+    cfg = loading.model_config(config.model, config.tokenizer.bpe_vocab_size,
                                dry_run=True)
     if config.engine.kind == "sglang":
         sglang.check_context(config, cfg)  # before the slow part: refused up front

@@ -61,7 +61,7 @@ def get_config(arg=None):
                     sglang=common.sglang_defaults())
 
     c.env = dict(backend="local", tasks="miniswe", train_tasks=512, eval_tasks=48,
-                 difficulties=(0, 1), task_seed=1234, eval_seed=4321, image="",
+                 difficulties=(0, 1), task_seed=1234, eval_seed=4321, image="", image_template="",
                  max_concurrent=48, tools_in_prompt=False, latency=common.latency_defaults(),
                  **common.sandbox_defaults())
 

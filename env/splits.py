@@ -39,8 +39,8 @@ def splits(env_cfg) -> tuple[list[Task], list[Task]]:
 
 
 def image_template(env_cfg) -> str:
-    """`env.image_template` ("" or absent: the SWE-bench convention)."""
-    return env_cfg.get("image_template", "") or SWEBENCH_IMAGE_TEMPLATE
+    """`env.image_template` ("": the SWE-bench convention)."""
+    return env_cfg.image_template or SWEBENCH_IMAGE_TEMPLATE
 
 
 def task_images(env_cfg) -> dict[str, Any]:

@@ -21,6 +21,8 @@ from models import hf_io, qwen3
 _MODEL_KEYS = {f.name for f in dataclasses.fields(qwen3.Qwen3Config)}
 # Qwen3Config fields a checkpoint's config.json does not hold: the run config sets them.
 _RUNTIME_KEYS = ("dtype", "param_dtype", "remat", "attention")
+# The keys every model section has; the rest are optional Qwen3Config overrides.
+SECTION_KEYS = frozenset({"preset", "hf_path"})
 
 
 def model_config(model_cfg: Mapping[str, Any], vocab_size: int | None = None,
@@ -28,12 +30,20 @@ def model_config(model_cfg: Mapping[str, Any], vocab_size: int | None = None,
     """The checkpoint's config.json, or the preset with the config's overrides (also for a
     dry run on a machine without the checkpoint); from-scratch models take the
     tokenizer's vocabulary, rounded up to a multiple of 64 (ids past it are never
-    produced)."""
-    hf_path = model_cfg.get("hf_path", "")
+    produced).
+
+    The section holds `preset` and `hf_path` ("" to train from scratch), and overrides
+    of Qwen3Config fields: their defaults are the preset's (models.qwen3.PRESETS), so a
+    config names only what it changes. Any other key is an error."""
+    unknown = set(model_cfg) - SECTION_KEYS - _MODEL_KEYS
+    if unknown:
+        raise KeyError(f"model: unknown key(s) {sorted(unknown)}; a model section holds "
+                       f"{sorted(SECTION_KEYS)} and Qwen3Config fields")
+    hf_path = model_cfg["hf_path"]
     if hf_path and not (dry_run and not os.path.exists(hf_path)):
         runtime = {k: model_cfg[k] for k in _RUNTIME_KEYS if k in model_cfg}
         return hf_io.load_config(hf_path, **runtime)
-    preset = model_cfg.get("preset")
+    preset = model_cfg["preset"]
     if preset not in qwen3.PRESETS:
         raise KeyError(f"unknown model preset {preset!r}; known: {sorted(qwen3.PRESETS)}")
     overrides = {k: v for k, v in model_cfg.items() if k in _MODEL_KEYS}
@@ -45,7 +55,7 @@ def model_config(model_cfg: Mapping[str, Any], vocab_size: int | None = None,
 def build_model(model_cfg: Mapping[str, Any], cfg: qwen3.Qwen3Config,
                 mesh: jax.sharding.Mesh | None, seed: int) -> qwen3.Qwen3:
     """Loads HF weights straight into their shardings, or initialises from `seed`."""
-    if model_cfg.get("hf_path"):
+    if model_cfg["hf_path"]:
         return hf_io.load_hf(model_cfg["hf_path"], mesh=mesh, dtype=cfg.dtype,
                              param_dtype=cfg.param_dtype, remat=cfg.remat,
                              attention=cfg.attention)[1]

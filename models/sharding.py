@@ -49,7 +49,7 @@ RULES: dict[str, str | None] = {
 }
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
+def make_mesh(data: int, fsdp: int, tensor: int,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, fsdp, tensor) mesh over all devices; one size may be -1 (= the rest)."""
     devices = list(jax.devices() if devices is None else devices)

@@ -107,4 +107,4 @@ def test_make_mesh_sizes():
     with pytest.raises(ValueError, match="needs 6 devices"):
         make_mesh(data=3, fsdp=1, tensor=2)
     with pytest.raises(ValueError, match="at most one"):
-        make_mesh(data=-1, fsdp=-1)
+        make_mesh(data=-1, fsdp=-1, tensor=1)

@@ -429,7 +429,7 @@ def _server(cfg, control):
 
 def _supervise(cfg, control):
     """A supervisor's life, in the process forked for it; returns its exit code."""
-    if cfg.get("cgroup"):
+    if cfg["cgroup"]:
         _join_cgroup(cfg["cgroup"])
     if not cfg["isolate"]:
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
