@@ -67,12 +67,14 @@ def saved_digests(workdir: str, step: int) -> tuple[str, str, list[str]]:
     """(sha256 of checkpoint `step`'s train state: every array's path, dtype and bytes;
     sha256 of its host-state JSON, keys sorted; the host state's keys), read from
     workdir/ckpt as saved, without a model to restore into: to show two runs end in the
-    same state."""
+    same state. A train state's `rng` entry (a key that older train states carried and
+    never read) is left out, so the digests of old and new checkpoints compare."""
     path = os.path.join(workdir, "ckpt", str(step))
     checkpointer = ocp.PyTreeCheckpointer()
     tree = checkpointer.metadata(os.path.join(path, "state")).item_metadata.tree
     restored = checkpointer.restore(os.path.join(path, "state"), restore_args=jax.tree.map(
         lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    restored.pop("rng", None)
     h = hashlib.sha256()
     for key, value in jax.tree_util.tree_leaves_with_path(restored):
         value = np.ascontiguousarray(value)
