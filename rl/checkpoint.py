@@ -11,6 +11,7 @@ to <step>.damaged when resuming falls back past it.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import errno
 import hashlib
 import json
@@ -86,6 +87,14 @@ def saved_digests(workdir: str, step: int) -> tuple[str, str, list[str]]:
     return h.hexdigest(), host_sha, sorted(host)
 
 
+def _with_old_rng(abstract_state: Any) -> dict[str, Any]:
+    """The fields of a TrainState as a dict, with the uint32 [2] `rng` key older train
+    states carried (replicated, like the step), to restore such a state whole."""
+    fields = {f.name: getattr(abstract_state, f.name) for f in dataclasses.fields(abstract_state)}
+    rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=abstract_state.step.sharding)
+    return {**fields, "rng": rng}
+
+
 class Checkpointer:
     """Saves and restores (TrainState, host dict) pairs under workdir/ckpt.
 
@@ -145,15 +154,32 @@ class Checkpointer:
 
         abstract_state: a pytree of jax.ShapeDtypeStruct with `sharding` set (e.g.
         from `rl.learner.abstract_train_state`), so arrays land directly in the
-        sharded layout.
+        sharded layout. A train state saved with an `rng` entry (older TrainStates
+        carried one and never read it) restores into a TrainState without one, the
+        entry read and dropped; any other difference from `abstract_state` raises.
         """
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
                                     f"have {self.all_steps()}")
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+        target = abstract_state
+        if self._has_old_rng(step, abstract_state):
+            target = _with_old_rng(abstract_state)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   host=ocp.args.JsonRestore())
         restored = self._manager.restore(int(step), args=args)
-        return restored["state"], decode_host(restored["host"])
+        state = restored["state"]
+        if target is not abstract_state:
+            state = abstract_state.replace(**{k: v for k, v in state.items() if k != "rng"})
+        return state, decode_host(restored["host"])
+
+    def _has_old_rng(self, step: int, abstract_state: Any) -> bool:
+        """Whether step's saved train state has an `rng` entry that `abstract_state` (a
+        TrainState) lacks."""
+        if not dataclasses.is_dataclass(abstract_state) or hasattr(abstract_state, "rng"):
+            return False
+        path = os.path.join(self.directory, str(step), "state")
+        saved = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+        return isinstance(saved, dict) and "rng" in saved
 
     def restore_latest(self, abstract_state: Any,
                        set_aside: bool = True) -> tuple[int, Any, dict[str, Any]]:
