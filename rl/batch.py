@@ -121,15 +121,10 @@ def choose_layout(lengths: Sequence[int], buckets: Sequence[int],
     return best
 
 
-def pack_arrays(seqs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
-                advantages: Sequence[float], *, buckets: Sequence[int], row_multiple: int = 1,
-                ref_logprobs: Sequence[np.ndarray] | None = None,
-                pad_id: int = 0) -> tuple[Batch, PackInfo]:
-    """Packs (ids[T], loss_mask[T], logprobs[T]) sequences into a `Batch`.
-
-    Sequences longer than max(buckets) keep their first max(buckets) tokens
-    (counted in PackInfo.num_truncated).
-    """
+def _checked_lengths(seqs, advantages, buckets, row_multiple, ref_logprobs
+                     ) -> tuple[np.ndarray, list[int]]:
+    """(advantages as float32, each sequence's packed length: at most max(buckets)), or
+    ValueError naming what is wrong with pack_arrays' input."""
     if not seqs:
         raise ValueError("pack_arrays: no sequences to pack")
     if len(advantages) != len(seqs):
@@ -145,8 +140,7 @@ def pack_arrays(seqs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
         bad = np.flatnonzero(~np.isfinite(advantages)).tolist()
         raise ValueError(f"pack_arrays: non-finite advantages at indices {bad}")
 
-    max_len = max(buckets)
-    lengths = []
+    max_len, lengths = max(buckets), []
     for i, (ids, mask, logp) in enumerate(seqs):
         if not len(ids) == len(mask) == len(logp):
             raise ValueError(f"pack_arrays: sequence {i} has ids/mask/logprobs of lengths "
@@ -157,6 +151,21 @@ def pack_arrays(seqs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
         if len(ids) == 0:
             raise ValueError(f"pack_arrays: sequence {i} is empty")
         lengths.append(min(len(ids), max_len))
+    return advantages, lengths
+
+
+def pack_arrays(seqs: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+                advantages: Sequence[float], *, buckets: Sequence[int], row_multiple: int = 1,
+                ref_logprobs: Sequence[np.ndarray] | None = None,
+                pad_id: int = 0) -> tuple[Batch, PackInfo]:
+    """Packs (ids[T], loss_mask[T], logprobs[T]) sequences into a `Batch`.
+
+    Sequences longer than max(buckets) keep their first max(buckets) tokens
+    (counted in PackInfo.num_truncated).
+    """
+    advantages, lengths = _checked_lengths(seqs, advantages, buckets, row_multiple,
+                                           ref_logprobs)
+    max_len = max(buckets)
     num_truncated = sum(len(s[0]) > max_len for s in seqs)
     if num_truncated:
         log.warning("pack_arrays: %d of %d sequences truncated to %d tokens",

@@ -11,6 +11,7 @@ to <step>.damaged when resuming falls back past it.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import errno
 import hashlib
 import json
@@ -67,12 +68,14 @@ def saved_digests(workdir: str, step: int) -> tuple[str, str, list[str]]:
     """(sha256 of checkpoint `step`'s train state: every array's path, dtype and bytes;
     sha256 of its host-state JSON, keys sorted; the host state's keys), read from
     workdir/ckpt as saved, without a model to restore into: to show two runs end in the
-    same state."""
+    same state. A train state's `rng` entry (a key that older train states carried and
+    never read) is left out, so the digests of old and new checkpoints compare."""
     path = os.path.join(workdir, "ckpt", str(step))
     checkpointer = ocp.PyTreeCheckpointer()
     tree = checkpointer.metadata(os.path.join(path, "state")).item_metadata.tree
     restored = checkpointer.restore(os.path.join(path, "state"), restore_args=jax.tree.map(
         lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    restored.pop("rng", None)
     h = hashlib.sha256()
     for key, value in jax.tree_util.tree_leaves_with_path(restored):
         value = np.ascontiguousarray(value)
@@ -82,6 +85,14 @@ def saved_digests(workdir: str, step: int) -> tuple[str, str, list[str]]:
         host = json.load(f)
     host_sha = hashlib.sha256(json.dumps(host, sort_keys=True).encode()).hexdigest()
     return h.hexdigest(), host_sha, sorted(host)
+
+
+def _with_old_rng(abstract_state: Any) -> dict[str, Any]:
+    """The fields of a TrainState as a dict, with the uint32 [2] `rng` key older train
+    states carried (replicated, like the step), to restore such a state whole."""
+    fields = {f.name: getattr(abstract_state, f.name) for f in dataclasses.fields(abstract_state)}
+    rng = jax.ShapeDtypeStruct((2,), np.uint32, sharding=abstract_state.step.sharding)
+    return {**fields, "rng": rng}
 
 
 class Checkpointer:
@@ -143,15 +154,32 @@ class Checkpointer:
 
         abstract_state: a pytree of jax.ShapeDtypeStruct with `sharding` set (e.g.
         from `rl.learner.abstract_train_state`), so arrays land directly in the
-        sharded layout.
+        sharded layout. A train state saved with an `rng` entry (older TrainStates
+        carried one and never read it) restores into a TrainState without one, the
+        entry read and dropped; any other difference from `abstract_state` raises.
         """
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
                                     f"have {self.all_steps()}")
-        args = ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+        target = abstract_state
+        if self._has_old_rng(step, abstract_state):
+            target = _with_old_rng(abstract_state)
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(target),
                                   host=ocp.args.JsonRestore())
         restored = self._manager.restore(int(step), args=args)
-        return restored["state"], decode_host(restored["host"])
+        state = restored["state"]
+        if target is not abstract_state:
+            state = abstract_state.replace(**{k: v for k, v in state.items() if k != "rng"})
+        return state, decode_host(restored["host"])
+
+    def _has_old_rng(self, step: int, abstract_state: Any) -> bool:
+        """Whether step's saved train state has an `rng` entry that `abstract_state` (a
+        TrainState) lacks."""
+        if not dataclasses.is_dataclass(abstract_state) or hasattr(abstract_state, "rng"):
+            return False
+        path = os.path.join(self.directory, str(step), "state")
+        saved = ocp.PyTreeCheckpointer().metadata(path).item_metadata.tree
+        return isinstance(saved, dict) and "rng" in saved
 
     def restore_latest(self, abstract_state: Any,
                        set_aside: bool = True) -> tuple[int, Any, dict[str, Any]]:

@@ -38,13 +38,11 @@ from rl.batch import Batch, pack_arrays, unpack
 @flax.struct.dataclass
 class TrainState:
     """params: pure dict of parameter arrays (nnx.merge(graphdef, params) is the model);
-    opt_state: optax state; step: int32 train_step calls so far; rng: uint32 [2] key
-    carried (and checkpointed) for stochastic parts of a run."""
+    opt_state: optax state; step: int32 train_step calls so far."""
 
     params: Any
     opt_state: Any
     step: jax.Array
-    rng: jax.Array
 
 
 # --------------------------------------------------------------------------- optimizer
@@ -79,9 +77,9 @@ def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformati
 # --------------------------------------------------------------------------- state
 
 
-def _init_state(params, optimizer, seed: int) -> TrainState:
+def _init_state(params, optimizer) -> TrainState:
     return TrainState(params=params, opt_state=optimizer.init(params),
-                      step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(seed))
+                      step=jnp.zeros((), jnp.int32))
 
 
 def state_shardings(abstract_state: TrainState, cfg, mesh: Mesh) -> TrainState:
@@ -93,7 +91,7 @@ def state_shardings(abstract_state: TrainState, cfg, mesh: Mesh) -> TrainState:
         make_optimizer(cfg), lambda _, s: s, abstract_state.opt_state, params,
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding))
-    return TrainState(params=params, opt_state=opt_state, step=replicated, rng=replicated)
+    return TrainState(params=params, opt_state=opt_state, step=replicated)
 
 
 def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, dict]:
@@ -107,7 +105,7 @@ def abstract_train_state(model: nnx.Module, cfg, mesh: Mesh | None = None):
     abstract (nnx.eval_shape), so nothing is allocated. For Checkpointer.restore."""
     graphdef, params = split_params(model)
     optimizer = make_optimizer(cfg)
-    shapes = jax.eval_shape(lambda p: _init_state(p, optimizer, cfg.seed), params)
+    shapes = jax.eval_shape(lambda p: _init_state(p, optimizer), params)
     if mesh is None:
         return graphdef, shapes
     shardings = state_shardings(shapes, cfg, mesh)
@@ -119,7 +117,7 @@ def init_train_state(model: nnx.Module, cfg, mesh: Mesh | None = None):
     """(graphdef, TrainState) with the model's parameters, sharded over `mesh` if given."""
     graphdef, params = split_params(model)
     optimizer = make_optimizer(cfg)
-    init = functools.partial(_init_state, optimizer=optimizer, seed=cfg.seed)
+    init = functools.partial(_init_state, optimizer=optimizer)
     if mesh is None:
         return graphdef, jax.jit(init)(params)
     shardings = state_shardings(jax.eval_shape(init, params), cfg, mesh)
@@ -258,12 +256,99 @@ def with_ref_logprobs(batch: Batch, compute_logprobs, ref_params, mesh: Mesh | N
 # --------------------------------------------------------------------------- train step
 
 
-def _reduce_metric(name: str, values, axis=0):
-    if name.endswith("_max"):
-        return jnp.max(values, axis=axis)
-    if name.endswith("_min"):
-        return jnp.min(values, axis=axis)
-    return jnp.sum(values, axis=axis)
+# How each metric combines over a mini-batch's micro-batches, then over the step's
+# mini-batches: "sum" metrics add up to the mini-batch value and are averaged over
+# mini-batches; "max" and "min" metrics are extremes over both.
+METRIC_REDUCTIONS = {**losses.METRIC_REDUCTIONS, "grad_norm": "sum"}
+_REDUCE = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+_START = {"sum": 0.0, "max": -jnp.inf, "min": jnp.inf}
+
+
+def _reduction(name: str) -> str:
+    if name not in METRIC_REDUCTIONS:
+        raise KeyError(f"metric {name!r} has no entry in rl.learner.METRIC_REDUCTIONS")
+    return METRIC_REDUCTIONS[name]
+
+
+def _micro_loss(params, micro, ref_params, graphdef, cfg):
+    """(loss, metrics) of one micro-batch; micro: (batch, weights, token_weights, old_logp)."""
+    mb, weights, token_weights, old_logp = micro
+    logp, entropy, hidden = policy_logprobs(graphdef, params, mb, cfg)
+    kl_tok = None
+    if cfg.loss.kl == "exact":
+        kl_tok = exact_kl_tokens(graphdef, params, ref_params, hidden, mb, cfg)
+    return losses.policy_loss(cfg.loss, logp, entropy, mb, weights, token_weights,
+                              old_logp=old_logp, kl_tok=kl_tok)
+
+
+def _accumulate(grad_fn, params, micros, ref_params):
+    """(gradients summed, metrics reduced) over the micro-batches [K, ...] of one
+    mini-batch, one after another in a lax.scan."""
+    first = jax.tree.map(lambda x: x[0], micros)
+    shapes = jax.eval_shape(lambda: grad_fn(params, first, ref_params)[0][1])
+    start = {k: jnp.full((), _START[_reduction(k)], v.dtype) for k, v in shapes.items()}
+
+    def add(acc, micro):
+        (_, metrics), grads = grad_fn(params, micro, ref_params)
+        acc_grads, acc_metrics = acc
+        acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
+        acc_metrics = {k: _REDUCE[_reduction(k)](jnp.stack([acc_metrics[k], v]), axis=0)
+                       for k, v in metrics.items()}
+        return (acc_grads, acc_metrics), None
+
+    (grads, metrics), _ = jax.lax.scan(add, (jax.tree.map(jnp.zeros_like, params), start),
+                                       micros)
+    return grads, metrics
+
+
+def _update(carry, xs, ref_params, graphdef, cfg):
+    """One mini-batch, one optimizer update: carry (params, opt_state), xs (batch,
+    old_logp) of [K, r, L] micro-batches. -> (carry, metrics)."""
+    params, opt_state = carry
+    mb, old_logp = xs
+    weights = losses.AGGREGATIONS[cfg.loss.agg](mb.loss_mask, mb.seq_num_tokens)
+    token_weights = losses.token_mean_weights(mb.loss_mask, None)
+    grad_fn = jax.value_and_grad(functools.partial(_micro_loss, graphdef=graphdef, cfg=cfg),
+                                 has_aux=True)
+    grads, metrics = _accumulate(grad_fn, params, (mb, weights, token_weights, old_logp),
+                                 ref_params)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), metrics
+
+
+def _old_logprobs(state: TrainState, chunks: Batch, graphdef, cfg):
+    """[M*K, r, L] the ratio's denominator: the sampler's, or the learner's at the start
+    of the step (cfg.loss.old_logprobs)."""
+    if cfg.loss.old_logprobs != "learner":
+        return chunks.old_logprobs
+    old = jax.lax.map(lambda mb: policy_logprobs(graphdef, state.params, mb, cfg)[0], chunks)
+    return jax.lax.stop_gradient(old)
+
+
+def _step(state: TrainState, batch: Batch, ref_params, graphdef, cfg, mesh):
+    """The pure train step: (state, batch, ref_params) -> (state, metrics)."""
+    num_mini, num_micro = cfg.num_minibatches, cfg.num_microbatches
+    chunks = split_batch(batch, num_mini * num_micro, mesh)
+    old = _old_logprobs(state, chunks, graphdef, cfg)
+    to_mini = lambda x: x.reshape(num_mini, num_micro, *x.shape[1:])
+    update = functools.partial(_update, ref_params=ref_params, graphdef=graphdef, cfg=cfg)
+    (params, opt_state), metrics = jax.lax.scan(
+        update, (state.params, state.opt_state), jax.tree.map(to_mini, (chunks, old)))
+    finite = jnp.all(jnp.isfinite(metrics["loss"])) & jnp.all(
+        jnp.isfinite(metrics["grad_norm"]))
+    metrics = {k: _REDUCE[_reduction(k)](v, axis=0) / (1 if _reduction(k) != "sum" else num_mini)
+               for k, v in metrics.items()}
+    metrics.update(finite=finite, step=state.step,
+                   lr=make_schedule(cfg.optim)(state.step * num_mini),
+                   loss_tokens=jnp.sum(batch.loss_mask))
+    new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1)
+    if mesh is None:
+        return new_state, metrics
+    # Laid out as init_train_state and abstract_train_state lay out a state.
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return (jax.lax.with_sharding_constraint(new_state, state_shardings(new_state, cfg, mesh)),
+            jax.lax.with_sharding_constraint(metrics, replicated))
 
 
 def make_train_step(graphdef, cfg, mesh: Mesh | None = None):
@@ -276,73 +361,8 @@ def make_train_step(graphdef, cfg, mesh: Mesh | None = None):
     loss or gradient norm raises FloatingPointError naming the train step.
     """
     losses.check_config(cfg.loss)
-    optimizer = make_optimizer(cfg)
-    schedule = make_schedule(cfg.optim)
-    num_mini, num_micro = cfg.num_minibatches, cfg.num_microbatches
-    learner_old = cfg.loss.old_logprobs == "learner"
-
-    def micro_loss(params, mb, weights, token_weights, old_logp, ref_params):
-        logp, entropy, hidden = policy_logprobs(graphdef, params, mb, cfg)
-        kl_tok = None
-        if cfg.loss.kl == "exact":
-            kl_tok = exact_kl_tokens(graphdef, params, ref_params, hidden, mb, cfg)
-        return losses.policy_loss(cfg.loss, logp, entropy, mb, weights, token_weights,
-                                  old_logp=old_logp, kl_tok=kl_tok)
-
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-
-    def minibatch_update(carry, xs, ref_params):
-        params, opt_state = carry
-        mb, old_logp = xs  # [K, r, L]
-        weights = losses.AGGREGATIONS[cfg.loss.agg](mb.loss_mask, mb.seq_num_tokens)
-        token_weights = losses.token_mean_weights(mb.loss_mask, None)
-
-        def accumulate(acc, micro):
-            (_, metrics), grads = grad_fn(params, *micro, ref_params)
-            acc_grads, acc_metrics = acc
-            acc_grads = jax.tree.map(jnp.add, acc_grads, grads)
-            acc_metrics = {k: _reduce_metric(k, jnp.stack([acc_metrics[k], v]))
-                           for k, v in metrics.items()}
-            return (acc_grads, acc_metrics), None
-
-        metric_shapes = jax.eval_shape(
-            lambda: grad_fn(params, *jax.tree.map(lambda x: x[0], (mb, weights, token_weights,
-                                                                    old_logp)), ref_params)[0][1])
-        init_metrics = {k: jnp.full((), -jnp.inf if k.endswith("_max") else
-                                    jnp.inf if k.endswith("_min") else 0.0, v.dtype)
-                        for k, v in metric_shapes.items()}
-        init = (jax.tree.map(jnp.zeros_like, params), init_metrics)
-        (grads, metrics), _ = jax.lax.scan(
-            accumulate, init, (mb, weights, token_weights, old_logp))
-        metrics["grad_norm"] = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), metrics
-
-    def step_fn(state: TrainState, batch: Batch, ref_params):
-        chunks = split_batch(batch, num_mini * num_micro, mesh)
-        if learner_old:
-            old = jax.lax.map(
-                lambda mb: policy_logprobs(graphdef, state.params, mb, cfg)[0], chunks)
-            old = jax.lax.stop_gradient(old)
-        else:
-            old = chunks.old_logprobs
-        to_mini = lambda x: x.reshape(num_mini, num_micro, *x.shape[1:])
-        xs = jax.tree.map(to_mini, (chunks, old))
-        (params, opt_state), metrics = jax.lax.scan(
-            functools.partial(minibatch_update, ref_params=ref_params),
-            (state.params, state.opt_state), xs)
-        finite = jnp.all(jnp.isfinite(metrics["loss"])) & jnp.all(
-            jnp.isfinite(metrics["grad_norm"]))
-        metrics = {k: _reduce_metric(k, v) / (1 if k.endswith(("_max", "_min")) else num_mini)
-                   for k, v in metrics.items()}
-        metrics.update(finite=finite, step=state.step,
-                       lr=schedule(state.step * num_mini),
-                       loss_tokens=jnp.sum(batch.loss_mask))
-        new_state = TrainState(params=params, opt_state=opt_state, step=state.step + 1,
-                               rng=state.rng)
-        return new_state, metrics
-
-    jitted = {}
+    step_fn = functools.partial(_step, graphdef=graphdef, cfg=cfg, mesh=mesh)
+    jitted = jax.jit(step_fn, donate_argnums=0)
 
     def train_step(state: TrainState, batch: Batch, ref_params=None):
         if cfg.loss.kl == "exact" and ref_params is None:
@@ -352,14 +372,8 @@ def make_train_step(graphdef, cfg, mesh: Mesh | None = None):
         check_rows(batch, cfg, mesh)
         if isinstance(batch.tokens, np.ndarray):
             batch = shard_batch(batch, mesh)
-        if "fn" not in jitted:
-            out_shardings = None
-            if mesh is not None:
-                out_shardings = (jax.tree.map(lambda x: x.sharding, state),
-                                 NamedSharding(mesh, PartitionSpec()))
-            jitted["fn"] = jax.jit(step_fn, donate_argnums=0, out_shardings=out_shardings)
         with mesh_context(mesh):  # models.sharding.constrain_rows reads the mesh
-            state, metrics = jitted["fn"](state, batch, ref_params)
+            state, metrics = jitted(state, batch, ref_params)
         finite, step = jax.device_get((metrics["finite"], metrics["step"]))
         if not finite:
             raise FloatingPointError(f"non-finite loss or gradient norm at train step {int(step)}")

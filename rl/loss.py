@@ -195,7 +195,21 @@ def check_config(cfg) -> None:
         raise ValueError(f"loss.dual_clip must be > 1 (or 0 for off), got {cfg.dual_clip}")
 
 
-def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp, kl_tok=None):
+# How each metric of policy_loss combines over micro-batches: "sum" (it is a sum of
+# per-token values times token weights, so the micro-batches' sum is the mini-batch's
+# token mean or total), "max" or "min".
+METRIC_REDUCTIONS = {
+    "loss": "sum", "pg_loss": "sum", "entropy": "sum", "kl_ref": "sum", "kl_old": "sum",
+    "ratio_mean": "sum", "ratio_max": "max", "ratio_min": "min",
+    "clip_low_frac": "sum", "clip_high_frac": "sum", "dual_clip_frac": "sum", "clip_frac": "sum",
+    "sampler_gap_mean": "sum", "sampler_gap_max": "max",
+    "tis_mean": "sum", "tis_max": "max", "tis_min": "min", "tis_clip_frac": "sum",
+    "seq_masked_frac": "sum", "geo_ratio_max": "max", "geo_ratio_min": "min",
+}
+
+
+def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp,
+                kl_tok=None):  # 8: the traced arrays of a micro-batch, taken one by one
     """Scalar loss of a micro-batch and its metric contributions.
 
     cfg: the loss section (name, agg, eps_low, eps_high, dual_clip, kl, kl_coef,
@@ -245,12 +259,20 @@ def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp, kl_
 
     metrics.update(loss=loss, pg_loss=pg_loss,
                    entropy=jnp.sum(token_weights * jax.lax.stop_gradient(entropy)))
+    metrics.update(ratio_metrics(stats, logp, old_logp, valid, token_weights))
+    return loss, metrics
+
+
+def ratio_metrics(stats, logp, old_logp, valid, token_weights):
+    """Token means (and max / min) of the token loss's ratio statistics `stats`, and the
+    KL from the old policy; {} for a loss without a ratio."""
+    metrics = {}
     if "ratio" in stats:
         ratio = jax.lax.stop_gradient(stats["ratio"])
         # KL(old || current) with samples from old: k3 with the roles of the two swapped.
         kl_old = kl_api.kl_k3(old_logp, jax.lax.stop_gradient(logp))
         metrics.update(
-            kl_old=jnp.sum(token_weights * zero(kl_old)),
+            kl_old=jnp.sum(token_weights * jnp.where(valid, kl_old, 0.0)),
             ratio_mean=jnp.sum(token_weights * ratio),
             ratio_max=jnp.max(jnp.where(valid, ratio, -jnp.inf)),
             ratio_min=jnp.min(jnp.where(valid, ratio, jnp.inf)))
@@ -259,4 +281,4 @@ def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp, kl_
             metrics[f"{name}_frac"] = jnp.sum(token_weights * stats[name])
     if "clip_low" in stats:
         metrics["clip_frac"] = metrics["clip_low_frac"] + metrics["clip_high_frac"]
-    return loss, metrics
+    return metrics

@@ -15,7 +15,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -71,19 +71,21 @@ def demo_batches(demos: Sequence[Trajectory], batch_size: int, epochs: int,
             yield [demos[i] for i in order[start:start + batch_size]]
 
 
-def train_sft(state: learner.TrainState, graphdef, demos: Sequence[Trajectory],
-              cfg: ml_collections.ConfigDict, *, buckets: Sequence[int], batch_size: int,
-              epochs: int, mesh=None,
+def train_sft(state: learner.TrainState, graphdef, batches: Iterable[Sequence[Trajectory]],
+              cfg: ml_collections.ConfigDict, *, mesh=None,
               on_metrics: Callable[[int, dict], None] | None = None) -> learner.TrainState:
-    """Runs the warm start; `on_metrics(step, host_metrics)` after every step.
+    """Runs the warm start, one train step per batch of demonstrations (e.g. from
+    `demo_batches`) packed into cfg.row_buckets; `on_metrics(step, host_metrics)` after
+    every step.
 
     cfg: the learner section (its loss is replaced by `sft_config`).
     """
     cfg = sft_config(cfg)
     train_step = learner.make_train_step(graphdef, cfg, mesh)
     multiple = learner.row_multiple(cfg, mesh)
-    for demo_batch in demo_batches(demos, batch_size, epochs, seed=cfg.seed):
-        batch, info = pack_demonstrations(demo_batch, buckets=buckets, row_multiple=multiple)
+    for demo_batch in batches:
+        batch, info = pack_demonstrations(demo_batch, buckets=cfg.row_buckets,
+                                          row_multiple=multiple)
         state, metrics = train_step(state, batch)
         if on_metrics is not None:
             host = {k: float(v) for k, v in metrics.items()}
@@ -160,10 +162,9 @@ async def warm_start(config, agent: Agent, train_tasks: Sequence[Task], graphdef
                 writer.write_scalars(step, {f"sft/{k}": v for k, v in m.items()})
             if step % 25 == 0:
                 log.info("SFT step %d: loss %.3f", step, m["loss"])
-        sft_state = await asyncio.to_thread(
-            train_sft, sft_state, graphdef, demos, sft_cfg,
-            buckets=config.learner.row_buckets, batch_size=config.sft.batch_size,
-            epochs=epochs, mesh=mesh, on_metrics=on_metrics)
+        batches = demo_batches(demos, config.sft.batch_size, epochs, seed=sft_cfg.seed)
+        sft_state = await asyncio.to_thread(train_sft, sft_state, graphdef, batches, sft_cfg,
+                                            mesh=mesh, on_metrics=on_metrics)
     log.info("SFT: %d steps in %.0fs", total, time.perf_counter() - t0)
     _, state = learner.init_train_state(nnx.merge(graphdef, sft_state.params), config.learner,
                                         mesh)

@@ -10,6 +10,11 @@ step-3 checkpoint's train state (every array's path, dtype and bytes) and of its
 state (the algorithm's tracker or Prefix Sampling state, the task loader, the job
 seeds). Runs go one at a time, on one CPU device. With --dry_runs: the `--dry_run`
 output of every config in configs/ and of default.py's options.
+
+The digests are rl.checkpoint.saved_digests of this script's repository, which leaves out
+a train state's `rng` entry (older train states carried one): `--root` runs another
+checkout's train.py (e.g. an older commit's worktree) under the same digest, so the
+numbers of old and new code compare.
 """
 
 from __future__ import annotations
@@ -54,8 +59,8 @@ def state_digests(workdir: str, step: int) -> dict[str, object]:
     return {"train_state": train, "host_state": host, "host_keys": keys}
 
 
-def run(name: str, args: list[str], workdir: str) -> dict[str, object]:
-    out = subprocess.run([sys.executable, "train.py", *args, "--workdir", workdir], cwd=ROOT,
+def run(name: str, args: list[str], workdir: str, root: str) -> dict[str, object]:
+    out = subprocess.run([sys.executable, "train.py", *args, "--workdir", workdir], cwd=root,
                          env=_env(), capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{name} failed:\n{out.stderr[-3000:]}")
@@ -67,16 +72,16 @@ VARIANTS = ["configs/default.py:smoke", "configs/default.py:spo", "configs/defau
             "configs/default.py:smoke,spo,server"]
 
 
-def dry_runs() -> dict[str, str]:
+def dry_runs(root: str) -> dict[str, str]:
     out = {}
-    configs = [os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "configs", "*.py"))
+    configs = [os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "configs", "*.py"))
                if os.path.basename(p) not in ("common.py", "__init__.py")]
     for rel in sorted(configs) + VARIANTS:
         proc = subprocess.run([sys.executable, "train.py", "--config", rel, "--dry_run",
-                               "--workdir", "/tmp/unused"], cwd=ROOT, env=_env(),
+                               "--workdir", "/tmp/unused"], cwd=root, env=_env(),
                               capture_output=True, text=True)
         # (The launched server's PYTHONPATH names the checkout: the same for any clone.)
-        out[rel] = (proc.stdout.replace(ROOT, "<repository>") if proc.returncode == 0
+        out[rel] = (proc.stdout.replace(root, "<repository>") if proc.returncode == 0
                     else f"rc {proc.returncode}: {proc.stderr[-2000:]}")
     return out
 
@@ -86,14 +91,16 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--runs", default=",".join(RUNS))
     p.add_argument("--dry_runs", action="store_true")
+    p.add_argument("--root", default=ROOT, help="the checkout whose train.py runs")
     args = p.parse_args()
+    root = os.path.abspath(args.root)
     if args.dry_runs:
-        result = dry_runs()
+        result = dry_runs(root)
     else:
         result = {}
         for name in args.runs.split(","):
             with tempfile.TemporaryDirectory() as workdir:
-                result[name] = run(name, RUNS[name], workdir)
+                result[name] = run(name, RUNS[name], workdir, root)
                 print(name, json.dumps(result[name]), flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, sort_keys=True)

@@ -118,7 +118,32 @@ def test_resume_in_new_process_is_bitwise(tmp_path):
     assert len(resumed) == len(expected)
     for x, y in zip(expected, resumed, strict=True):
         np.testing.assert_array_equal(x, y)
-    assert int(resumed[-2]) == 5  # TrainState leaves end with step, rng
+    assert int(resumed[-1]) == 5  # TrainState leaves end with step
+
+
+def test_a_train_state_saved_with_its_old_rng_restores_without_it(tmp_path):
+    """Train states once carried an unread `rng` key: such a checkpoint restores into
+    today's TrainState (the entry is dropped), and a state that differs otherwise raises."""
+    learner, cfg, mesh = namespace["learner"], namespace["CFG"], namespace["MESH"]
+    graphdef, state = learner.init_train_state(namespace["model"](), cfg, mesh)
+    old = {"params": state.params, "opt_state": state.opt_state, "step": state.step + 3,
+           "rng": jax.random.PRNGKey(cfg.seed)}
+    ckpt = Checkpointer(str(tmp_path))
+    ckpt.save(3, old, {"step": 3})
+    ckpt.close()
+    ckpt = Checkpointer(str(tmp_path))
+    _, abstract = learner.abstract_train_state(namespace["model"](), cfg, mesh)
+    step, restored, host = ckpt.restore_latest(abstract)
+    assert step == 3 and host == {"step": 3} and not hasattr(restored, "rng")
+    assert type(restored) is learner.TrainState and int(restored.step) == 3
+    for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        assert x.sharding == y.sharding
+        if x.ndim:  # the step differs: 3 saved, 0 in the fresh state
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    ckpt.save(4, {**old, "extra": np.zeros(2)}, {})
+    with pytest.raises(ValueError, match="extra"):
+        ckpt.restore(4, abstract)
+    ckpt.close()
 
 
 def test_keep_latest_and_missing_step(tmp_path):

@@ -13,12 +13,8 @@ MAX_LINES, MAX_PARAMS = 60, 6
 KNOWN = {
     "inference/embedded.py:EmbeddedEngine.__init__",
     "inference/sglang.py:SGLangClient.__init__",
-    "rl/batch.py:pack_arrays",
-    "rl/learner.py:make_train_step",
-    "rl/loss.py:policy_loss",
     "rl/prefix.py:AdaptiveController.__init__",
     "rl/rollout.py:Agent.__init__",
-    "rl/sft.py:train_sft",
     "rl/spo.py:BetaTracker.__init__",
 }
 

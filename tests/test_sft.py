@@ -40,7 +40,9 @@ def test_sft_is_cross_entropy_on_assistant_tokens_and_learns():
     first_nll = -sum(float(lp.sum()) for lp in unpack(np.asarray(logp), info)) / 40
 
     seen = []
-    state = sft.train_sft(state, graphdef, demos, cfg, buckets=[32], batch_size=4, epochs=6,
+    cfg.row_buckets = (32,)
+    batches = sft.demo_batches(demos, batch_size=4, epochs=6, seed=cfg.seed)
+    state = sft.train_sft(state, graphdef, batches, cfg,
                           on_metrics=lambda step, m: seen.append((step, m)))
     assert [s for s, _ in seen] == list(range(12))
     losses = [m["loss"] for _, m in seen]
