@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from rl.spo import BetaTracker
+from rl.tracker import BetaTracker
 
 
 def batch_ids(rng, ids, batch, dup_frac):

@@ -219,7 +219,7 @@ def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:
 
 
 def spo_defaults() -> ConfigDict:
-    """The `spo` section (seed 002 values). See rl.spo for the maths.
+    """The `spo` section (seed 002 values). See rl.tracker for the maths.
 
     in_flight: rollouts kept running at once by the single-stream collector (more
       than batch_tasks; the surplus carries over to the next step).
@@ -228,7 +228,7 @@ def spo_defaults() -> ConfigDict:
       (0 = none); init_values: or a JSONL file of {"task_id", "successes", "n"}.
     init_form: "reference" (alpha0 = N0 (s+0.5)/(n0+1), the official code's and the
       default) or "paper" (Eq. 6).
-    Choices where the official code differs (rl.spo has both): duplicates
+    Choices where the official code differs (rl.tracker has both): duplicates
       ("sequential"; official "last"), adv_std_ddof (1, official), prior and unseen
       ((1, 1) and "draw"; official (0.5, 0.5) and "skip": prompts without an offline
       value are never drawn), drift_tokens ("generated": D averages over the tokens the

@@ -19,7 +19,7 @@ KNOWN = {
     "rl/prefix.py:AdaptiveController.__init__",
     "rl/rollout.py:Agent.__init__",
     "rl/sft.py:train_sft",
-    "rl/spo.py:BetaTracker.__init__",
+    "rl/tracker.py:BetaTracker.__init__",
 }
 
 

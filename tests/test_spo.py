@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from rl.spo import (
+from rl.tracker import (
     MAX_OFFLINE_N,
     BetaTracker,
     OfflineValuesError,
