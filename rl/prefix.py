@@ -57,45 +57,31 @@ UNSCORED = "unscored"
 
 @dataclasses.dataclass(frozen=True)
 class PrefixConfig:
-    """Prefix Sampling settings; `PrefixConfig(**config.prefix.to_dict())` from a ConfigDict.
+    """The `ps` section, `PrefixConfig(**config.ps)`: one field per key, each documented
+    with its default in configs.common.prefix_defaults. The caps keep the config's
+    0 = uncapped; cap() reads them as None (uncapped) or a step count."""
 
-    low, high: pass-rate thresholds of the five classes (seed 000: 0.3, 0.7).
-    remaining_ratio: too_hard share of the source's steps left to the model (seed: 0.25).
-    prefix_ratio: too_easy share of the failing source's steps replayed (seed: 0.25).
-    remaining_cap, prefix_cap: step caps of the two modes; None = uncapped (the seed
-      names the caps but gives no values).
-    max_share: at most floor(max_share * batch_size) queued prefix tasks per batch.
-    max_age: a queued task created at step s may run up to step s + max_age, then expires.
-    reprefix: prefix tasks that are still skewed may become prefix sources themselves.
-    adaptive: EMA controller moves the two ratios (seed: on in the 32B recipe).
-    ema_alpha, ema_init, target, band, step_size, cooldown, ratio_min, ratio_max: the
-      controller (seed: 0.05, -, 0.5, 0.03, 0.05, 5, 0.05, 0.95); see AdaptiveController.
-    replay: how a prefix task's code state is restored: "patch" (apply the source's diff
-      after step k; fast) or "reexec" (re-run its k tool calls, logging observations that
-      differ from the recorded ones); a prefix that cannot be restored is an env_error.
-    revisit: the control (module docstring): skewed tasks re-run from the start (k = 0).
-    """
-
-    low: float = 0.3
-    high: float = 0.7
-    remaining_ratio: float = 0.25
-    prefix_ratio: float = 0.25
-    remaining_cap: int | None = None
-    prefix_cap: int | None = None
-    max_share: float = 0.5
-    max_age: int = 2
-    reprefix: bool = False
-    adaptive: bool = False
-    ema_alpha: float = 0.05
-    ema_init: float | None = 0.5
-    target: float = 0.5
-    band: float = 0.03
-    step_size: float = 0.05
-    cooldown: int = 5
-    ratio_min: float = 0.05
-    ratio_max: float = 0.95
-    replay: str = "patch"
-    revisit: bool = False
+    enabled: bool
+    low: float
+    high: float
+    remaining_ratio: float
+    prefix_ratio: float
+    remaining_cap: int
+    prefix_cap: int
+    max_share: float
+    max_age: int
+    reprefix: bool
+    adaptive: bool
+    ema_alpha: float
+    ema_init: float | None
+    target: float
+    band: float
+    step_size: float
+    cooldown: int
+    ratio_min: float
+    ratio_max: float
+    replay: str
+    revisit: bool
 
     def __post_init__(self):
         if self.replay not in ("patch", "reexec"):
@@ -108,11 +94,13 @@ class PrefixConfig:
             raise ValueError(f"max_age must be >= 1 (tasks run the step after), got {self.max_age}")
         for name in ("remaining_cap", "prefix_cap"):
             cap = getattr(self, name)
-            if cap is not None and cap < 1:
-                raise ValueError(f"{name} must be None or >= 1, got {cap}")
+            if cap < 0:
+                raise ValueError(f"{name} must be 0 (uncapped) or >= 1, got {cap}")
 
     def cap(self, kind: str) -> int | None:
-        return self.remaining_cap if _check_kind(kind) == "too_hard" else self.prefix_cap
+        """The step cap of a kind's mode; None when uncapped (0 in the config)."""
+        cap = self.remaining_cap if _check_kind(kind) == "too_hard" else self.prefix_cap
+        return cap or None
 
 
 def _check_kind(kind: str) -> str:
@@ -372,29 +360,20 @@ class AdaptiveController:
     the metrics and the ratios stay fixed.
     """
 
-    def __init__(self, remaining_ratio: float = 0.25, prefix_ratio: float = 0.25, *,
-                 adaptive: bool = False, alpha: float = 0.05, ema_init: float | None = 0.5,
-                 target: float = 0.5, band: float = 0.03, step_size: float = 0.05,
-                 cooldown: int = 5, ratio_min: float = 0.05, ratio_max: float = 0.95):
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"EMA alpha must be in (0, 1], got {alpha}")
-        if not 0.0 <= ratio_min <= ratio_max <= 1.0:
-            raise ValueError(f"need 0 <= ratio_min <= ratio_max <= 1, got {ratio_min}, {ratio_max}")
-        self.adaptive, self.alpha, self.ema_init = adaptive, alpha, ema_init
-        self.target, self.band, self.step_size = target, band, step_size
-        self.cooldown, self.ratio_min, self.ratio_max = cooldown, ratio_min, ratio_max
-        self.ratios = {"too_hard": self._clamp(remaining_ratio),
-                       "too_easy": self._clamp(prefix_ratio)}
-        self.emas: dict[str, float | None] = {k: ema_init for k in KINDS}
+    def __init__(self, cfg: PrefixConfig):
+        if not 0.0 < cfg.ema_alpha <= 1.0:
+            raise ValueError(f"EMA alpha must be in (0, 1], got {cfg.ema_alpha}")
+        if not 0.0 <= cfg.ratio_min <= cfg.ratio_max <= 1.0:
+            raise ValueError(f"need 0 <= ratio_min <= ratio_max <= 1, got {cfg.ratio_min}, "
+                             f"{cfg.ratio_max}")
+        self.adaptive, self.alpha, self.ema_init = cfg.adaptive, cfg.ema_alpha, cfg.ema_init
+        self.target, self.band, self.step_size = cfg.target, cfg.band, cfg.step_size
+        self.cooldown, self.ratio_min, self.ratio_max = cfg.cooldown, cfg.ratio_min, cfg.ratio_max
+        self.ratios = {"too_hard": self._clamp(cfg.remaining_ratio),
+                       "too_easy": self._clamp(cfg.prefix_ratio)}
+        self.emas: dict[str, float | None] = {k: cfg.ema_init for k in KINDS}
         self.cooling = {k: 0 for k in KINDS}
         self.observations = {k: 0 for k in KINDS}
-
-    @classmethod
-    def from_config(cls, cfg: PrefixConfig) -> AdaptiveController:
-        return cls(cfg.remaining_ratio, cfg.prefix_ratio, adaptive=cfg.adaptive,
-                   alpha=cfg.ema_alpha, ema_init=cfg.ema_init, target=cfg.target,
-                   band=cfg.band, step_size=cfg.step_size, cooldown=cfg.cooldown,
-                   ratio_min=cfg.ratio_min, ratio_max=cfg.ratio_max)
 
     def _clamp(self, ratio: float) -> float:
         return round(min(max(ratio, self.ratio_min), self.ratio_max), 9)

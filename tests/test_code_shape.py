@@ -16,10 +16,8 @@ KNOWN = {
     "rl/batch.py:pack_arrays",
     "rl/learner.py:make_train_step",
     "rl/loss.py:policy_loss",
-    "rl/prefix.py:AdaptiveController.__init__",
     "rl/rollout.py:Agent.__init__",
     "rl/sft.py:train_sft",
-    "rl/tracker.py:BetaTracker.__init__",
 }
 
 

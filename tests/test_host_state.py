@@ -2,13 +2,16 @@
 the SPO tracker and sampler, the data loader and the run's RNG, through the real Orbax
 checkpoint path that train.py uses; restored objects then behave identically."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
+from configs import common
 from rl import prefix
 from rl.checkpoint import Checkpointer
 from rl.sampler import TaskSampler
-from rl.tracker import BetaTracker, PrioritizedSampler
+from rl.tracker import BetaTracker, PrioritizedSampler, SPOConfig
 from rl.types import Trajectory, Turn
 
 
@@ -22,9 +25,11 @@ def _traj(task_id, reward, steps, rng):
 
 
 def _objects(seed=0):
-    cfg = prefix.PrefixConfig(adaptive=True, max_age=3)
-    return (prefix.PrefixQueue(cfg.max_age), prefix.AdaptiveController.from_config(cfg),
-            BetaTracker(), TaskSampler([f"t{i}" for i in range(7)], seed),
+    cfg = dataclasses.replace(prefix.PrefixConfig(**common.prefix_defaults()), adaptive=True,
+                              max_age=3)
+    return (prefix.PrefixQueue(cfg.max_age), prefix.AdaptiveController(cfg),
+            BetaTracker(SPOConfig(**common.spo_defaults())),
+            TaskSampler([f"t{i}" for i in range(7)], seed),
             np.random.default_rng(seed), cfg)
 
 

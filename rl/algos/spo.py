@@ -32,6 +32,7 @@ from rl.tracker import (
     DRIFT_TOKENS,
     BetaTracker,
     PrioritizedSampler,
+    SPOConfig,
     drift_mask,
     load_offline_values,
     spo_advantages,
@@ -39,14 +40,6 @@ from rl.tracker import (
 from rl.types import Trajectory
 
 log = logging.getLogger(__name__)
-
-
-def tracker_from_config(spo_cfg) -> BetaTracker:
-    """The Beta tracker of the config's `spo` section (constant rho = rho_min)."""
-    return BetaTracker(rho_type=spo_cfg.rho_type, d_half=spo_cfg.d_half,
-                           rho_min=spo_cfg.rho_min, rho_max=spo_cfg.rho_max,
-                           rho_constant=spo_cfg.rho_min, prior=tuple(spo_cfg.prior),
-                           duplicates=spo_cfg.duplicates)
 
 
 class SPO(Algorithm):
@@ -64,7 +57,7 @@ class SPO(Algorithm):
 
     def __init__(self, ctx: Context):
         c = ctx.config
-        self.cfg, self.agent, self.score = c.spo, ctx.agent, ctx.score
+        self.cfg, self.agent, self.score = SPOConfig(**c.spo), ctx.agent, ctx.score
         if self.cfg.init_samples and self.cfg.init_values:
             raise ValueError("set one of spo.init_samples and spo.init_values, not both")
         if self.cfg.drift_tokens not in DRIFT_TOKENS:
@@ -73,7 +66,7 @@ class SPO(Algorithm):
         if self.cfg.unseen not in ("draw", "skip"):
             raise ValueError(f"spo.unseen must be 'draw' or 'skip', got {self.cfg.unseen!r}")
         self.batch_tasks = self.rollouts_per_step = c.batch_tasks
-        self.tracker = tracker_from_config(self.cfg)
+        self.tracker = BetaTracker(self.cfg)
         self.sampler = PrioritizedSampler(self.tracker, seed=c.seed, eps=self.cfg.sampler_eps)
         self.rng = seeds.host_rng(c.seed)
         self.task_by_id = {t.instance_id: t for t in ctx.train_tasks}
