@@ -237,8 +237,14 @@ def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:
 
 
 def spo_defaults() -> ConfigDict:
-    """The `spo` section (seed 002 values). See rl.tracker for the maths.
+    """The `spo` section (seed 002 values), rl.tracker.SPOConfig. See rl.tracker for the
+    maths.
 
+    rho_type: "kl" (rho = clip(2 ** (-D / d_half), rho_min, rho_max), D the policy's
+      drift since the prompt's last visit) or "constant" (rho = rho_min, whose
+      stationary evidence 1 / (1 - rho) equals the offline N0).
+    prior: Beta(alpha, beta) of a prompt with no offline value.
+    sampler_eps: added to every prompt's weight sqrt(v (1 - v)) (Eq. 11).
     in_flight: rollouts kept running at once by the single-stream collector (more
       than batch_tasks; the surplus carries over to the next step).
     pool_size: candidate prompts, the first pool_size training tasks (0 = all).
@@ -246,12 +252,13 @@ def spo_defaults() -> ConfigDict:
       (0 = none); init_values: or a JSONL file of {"task_id", "successes", "n"}.
     init_form: "reference" (alpha0 = N0 (s+0.5)/(n0+1), the official code's and the
       default) or "paper" (Eq. 6).
+    adv_std_ddof: 1, torch's unbiased std (the official code's), or 0.
     Choices where the official code differs (rl.tracker has both): duplicates
-      ("sequential"; official "last"), adv_std_ddof (1, official), prior and unseen
-      ((1, 1) and "draw"; official (0.5, 0.5) and "skip": prompts without an offline
-      value are never drawn), drift_tokens ("generated": D averages over the tokens the
-      policy generated; official "response": over every token after the prompt, tool
-      outputs included, as verl's compute_response_mask).
+      ("sequential"; official "last"), prior and unseen ((1, 1) and "draw"; official
+      (0.5, 0.5) and "skip": prompts without an offline value are never drawn),
+      drift_tokens ("generated": D averages over the tokens the policy generated;
+      official "response": over every token after the prompt, tool outputs included,
+      as verl's compute_response_mask).
     """
     return ConfigDict(dict(
         rho_type="kl", d_half=0.06, rho_min=0.875, rho_max=0.96, prior=(1.0, 1.0),

@@ -1,6 +1,6 @@
 """Prefix Sampling (PS): steer each task's rollout pass rate towards 50% (seed 000).
 
-Per task with N scored rollouts and k successes, p = k/N (defaults low=0.3, high=0.7):
+Per task with N scored rollouts and k successes, p = k/N (ps.low, ps.high):
 
     all_fail   k = 0                 drop (rejection sampling)
     all_pass   k = N                 drop
@@ -13,13 +13,17 @@ A source of `total` agent steps is replayed for k steps:
     too_hard ("remaining" mode): remaining = min(int(total * remaining_ratio), remaining_cap)
                                  k = total - remaining
     too_easy ("prefix" mode):    k = min(int(total * prefix_ratio), prefix_cap)
-    k is clamped to [1, total - 1]; a source with total < 2 makes no prefix task.
+    k is clamped to [1, total - 1]; a source with total < 2 makes no prefix task; a cap
+    of 0 is none.
 
 revisit=True is the control of the method: every skewed group queues its task to run
 again from the start (k = 0, no source replayed), scheduled like a prefix task, so a
 comparison with it separates what the prefix does from re-running the same tasks.
 
-One training step of the bookkeeping, as the trainer calls it:
+One training step of the bookkeeping, as rl.algos.grpo_ps runs it with ps.enabled and
+rollout.max_staleness = 0 (above 0, every chunk of jobs drawn ahead starts with the
+same take() at the step that draws it, and a step trains on the first groups to finish,
+whichever chunk they came from):
 
     prefix_tasks = queue.take(step, batch_size, cfg.max_share)   # run first, freshest first
     ...fill the batch with loader tasks, run N rollouts per task -> groups...
@@ -352,10 +356,10 @@ class AdaptiveController:
       ratio is clamped to [ratio_min, ratio_max] and rounded to 1e-9 so steps stay on
       the 0.05 grid; after a change the next `cooldown` steps make none, so two
       changes are at least cooldown + 1 steps apart.
-    EMA initialisation: ema_init=0.5 (default) starts at the set point, so one early
+    EMA initialisation: ps.ema_init=0.5 (the default) starts at the set point, so one early
     batch with one or two prefix tasks cannot swing the ratio; the EMA leaves the dead
     band only once evidence accumulates (a steady 0.8 pass rate crosses 0.53 on the
-    third observation, a steady 0.6 on the seventh). ema_init=None takes the first
+    third observation, a steady 0.6 on the seventh). ps.ema_init=None takes the first
     observation as the EMA instead. With adaptive=False the EMA is still tracked for
     the metrics and the ratios stay fixed.
     """

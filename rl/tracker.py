@@ -27,20 +27,27 @@ runs it):
     tracker.update(ids, rewards, D=tracker.drift(ids, logp_now))
     for each sample: tracker.store_response(id, ids, score(ids, mask), mask)  # updated params
 
-Where this module's defaults differ from the official code, the official behaviour is
-one option away (config keys of the `spo` section in brackets):
-- duplicates [spo.duplicates]: a prompt drawn twice in one batch is updated once per
-  sample in batch order ("sequential", the default: no evidence is dropped). Official:
-  every sample is computed from the pre-step (alpha, beta) and the last one written
-  wins ("last").
-- advantage std [spo.adv_std_ddof]: torch's unbiased std (ddof 1), as the official code
-  (the default); ddof 0 is the population std.
-- unseen prompts [spo.prior, spo.unseen]: a prompt with no offline value starts at
-  `prior` (default Beta(1, 1), v = 0.5, the largest sampling weight) and is drawn
-  ("draw"). Official: Beta(0.5, 0.5) when no offline samples are used, and prompts
-  missing from the offline values file are never drawn ("skip").
-- offline start [spo.init_form]: the official "+0.5" form ("reference",
-  alpha0 = N0 (s + 0.5) / (n0 + 1)) or the paper's Eq. 6 ("paper"); see offline_prior.
+The `spo` section's choices (defaults in configs.common.spo_defaults) next to the
+official code's; where they differ, the official behaviour is one option away:
+
+    key                  default              official
+    spo.duplicates       "sequential"         "last"
+    spo.prior            (1, 1)               (0.5, 0.5) when no offline samples are used
+    spo.unseen           "draw"               "skip"
+    spo.drift_tokens     "generated"          "response"
+    spo.adv_std_ddof     1                    1 (torch's unbiased std)
+    spo.init_form        "reference"          "reference"
+
+- duplicates: a prompt drawn twice in one batch is updated once per sample in batch
+  order ("sequential": no evidence is dropped), or every sample is computed from the
+  pre-step (alpha, beta) and the last one written wins ("last").
+- prior, unseen: a prompt with no offline value starts at `prior` (Beta(1, 1): v = 0.5,
+  the largest sampling weight) and is drawn ("draw"), or is never drawn ("skip").
+- drift_tokens: the tokens D averages over (drift_mask).
+- adv_std_ddof: 1, torch's unbiased std; 0, the population std.
+- init_form: the offline start in the official "+0.5" form ("reference") or the paper's
+  Eq. 6 ("paper"); see offline_prior.
+
 A prompt drawn twice in one batch shares one v_before and one D, and keeps the last
 sample's response, in both duplicate modes (as the official code does).
 
