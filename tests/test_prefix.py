@@ -187,6 +187,16 @@ def test_queue_state_round_trip_exact():
     assert empty.tasks == [] and empty.max_age == 4
 
 
+def test_a_cap_of_0_is_uncapped():
+    """The config's caps (0 = uncapped) read through PrefixConfig.cap."""
+    cfg = ps_config(remaining_cap=0, prefix_cap=3)
+    assert cfg.cap("too_hard") is None and cfg.cap("too_easy") == 3
+    assert prefix_k(100, "too_hard", 0.25, cfg.cap("too_hard")) == 75      # 25 remaining
+    assert prefix_k(100, "too_easy", 0.25, cfg.cap("too_easy")) == 3
+    with pytest.raises(ValueError, match="prefix_cap"):
+        ps_config(prefix_cap=-1)
+
+
 # ---------------------------------------------------------------- build + metrics
 
 

@@ -89,6 +89,15 @@ def test_vectorised_update_equals_sequential_loop():
     assert v.tolist() == [a / (a + b) for a, b in ref.values()]
 
 
+def test_constant_rho_is_rho_min_and_the_prior_a_float_pair():
+    cfg = spo_config(rho_type="constant", rho_min=0.7, rho_max=0.9, prior=[1, 3])
+    assert cfg.prior == (1.0, 3.0) and all(type(x) is float for x in cfg.prior)
+    tracker = BetaTracker(cfg)
+    assert tracker.rho(np.array([0.0, 5.0])).tolist() == [0.7, 0.7]
+    assert tracker.update(["a"], [1]).tolist() == [0.7]
+    assert (tracker.alpha[0], tracker.beta[0]) == (0.7 * 1.0 + 1, 0.7 * 3.0)
+
+
 def test_duplicates_in_one_batch_apply_in_order():
     tracker = BetaTracker(spo_config(rho_type="constant", rho_min=0.5, prior=(2.0, 2.0)))
     tracker.update(["a", "b", "a", "a"], [1, 0, 0, 1])
