@@ -17,7 +17,8 @@ import time
 
 import numpy as np
 
-from rl.spo import BetaTracker
+from configs import common
+from rl.tracker import BetaTracker, SPOConfig
 
 
 def batch_ids(rng, ids, batch, dup_frac):
@@ -61,7 +62,7 @@ def main():
 
     t0 = time.perf_counter()
     ids = [f"task-{i:07d}" for i in range(args.prompts)]
-    tracker = BetaTracker()
+    tracker = BetaTracker(SPOConfig(**common.spo_defaults()))
     tracker.init_offline(ids, rng.integers(0, 9, args.prompts), n0=8, form="paper")
     init_s = time.perf_counter() - t0
     print(f"tracked {len(tracker)} prompts in {init_s:.1f}s", file=sys.stderr)

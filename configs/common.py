@@ -208,19 +208,43 @@ def sglang_defaults() -> dict[str, Any]:
 
 
 def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:
-    """The `ps` section: rl.prefix.PrefixConfig fields (seed 000 values) + `enabled`."""
+    """The `ps` section (seed 000 values), rl.prefix.PrefixConfig; see rl.prefix.
+
+    enabled: Prefix Sampling on (algo='grpo'); off, GRPO with rejection sampling alone.
+    low, high: pass-rate thresholds of the five classes.
+    remaining_ratio: too_hard share of the successful source's steps left to the model.
+    prefix_ratio: too_easy share of the failing source's steps replayed.
+    remaining_cap, prefix_cap: step caps of the two modes; 0 = uncapped (the seed names
+      the caps but gives no values).
+    max_share: at most floor(max_share * batch_size) queued prefix tasks per batch.
+    max_age: a queued task created at step s may run up to step s + max_age, then expires.
+    reprefix: prefix tasks that are still skewed may become prefix sources themselves.
+    adaptive: the EMA controller moves the two ratios (seed: on in the 32B recipe).
+    ema_alpha, ema_init, target, band, step_size, cooldown, ratio_min, ratio_max: the
+      controller, rl.prefix.AdaptiveController (ema_init 0.5 starts the EMA at the set
+      point; None takes the first observation).
+    replay: how a prefix task's code state is restored: "patch" (apply the source's diff
+      after step k; fast) or "reexec" (re-run its k tool calls, logging observations that
+      differ from the recorded ones); a prefix that cannot be restored is an env_error.
+    revisit: a control: skewed tasks re-run from the start (k = 0, no prefix).
+    """
     return ConfigDict(dict(
         enabled=enabled, low=0.3, high=0.7, remaining_ratio=0.25, prefix_ratio=0.25,
-        remaining_cap=0, prefix_cap=0,  # 0 = uncapped
-        max_share=0.5, max_age=2, reprefix=False, adaptive=adaptive, ema_alpha=0.05,
-        target=0.5, band=0.03, step_size=0.05, cooldown=5, ratio_min=0.05, ratio_max=0.95,
-        replay="patch",  # or "reexec": re-run the prefix's tool calls
-        revisit=False))  # a control: skewed tasks re-run from the start (no prefix)
+        remaining_cap=0, prefix_cap=0, max_share=0.5, max_age=2, reprefix=False,
+        adaptive=adaptive, ema_alpha=0.05, ema_init=0.5, target=0.5, band=0.03,
+        step_size=0.05, cooldown=5, ratio_min=0.05, ratio_max=0.95, replay="patch",
+        revisit=False))
 
 
 def spo_defaults() -> ConfigDict:
-    """The `spo` section (seed 002 values). See rl.spo for the maths.
+    """The `spo` section (seed 002 values), rl.tracker.SPOConfig. See rl.tracker for the
+    maths.
 
+    rho_type: "kl" (rho = clip(2 ** (-D / d_half), rho_min, rho_max), D the policy's
+      drift since the prompt's last visit) or "constant" (rho = rho_min, whose
+      stationary evidence 1 / (1 - rho) equals the offline N0).
+    prior: Beta(alpha, beta) of a prompt with no offline value.
+    sampler_eps: added to every prompt's weight sqrt(v (1 - v)) (Eq. 11).
     in_flight: rollouts kept running at once by the single-stream collector (more
       than batch_tasks; the surplus carries over to the next step).
     pool_size: candidate prompts, the first pool_size training tasks (0 = all).
@@ -228,12 +252,13 @@ def spo_defaults() -> ConfigDict:
       (0 = none); init_values: or a JSONL file of {"task_id", "successes", "n"}.
     init_form: "reference" (alpha0 = N0 (s+0.5)/(n0+1), the official code's and the
       default) or "paper" (Eq. 6).
-    Choices where the official code differs (rl.spo has both): duplicates
-      ("sequential"; official "last"), adv_std_ddof (1, official), prior and unseen
-      ((1, 1) and "draw"; official (0.5, 0.5) and "skip": prompts without an offline
-      value are never drawn), drift_tokens ("generated": D averages over the tokens the
-      policy generated; official "response": over every token after the prompt, tool
-      outputs included, as verl's compute_response_mask).
+    adv_std_ddof: 1, torch's unbiased std (the official code's), or 0.
+    Choices where the official code differs (rl.tracker has both): duplicates
+      ("sequential"; official "last"), prior and unseen ((1, 1) and "draw"; official
+      (0.5, 0.5) and "skip": prompts without an offline value are never drawn),
+      drift_tokens ("generated": D averages over the tokens the policy generated;
+      official "response": over every token after the prompt, tool outputs included,
+      as verl's compute_response_mask).
     """
     return ConfigDict(dict(
         rho_type="kl", d_half=0.06, rho_min=0.875, rho_max=0.96, prior=(1.0, 1.0),
@@ -339,7 +364,8 @@ RANGES: dict[str, str] = {
     "ps.low": "[0, 1]", "ps.high": "[0, 1]", "ps.remaining_ratio": "(0, 1]",
     "ps.prefix_ratio": "(0, 1]", "ps.remaining_cap": "[0, inf)", "ps.prefix_cap": "[0, inf)",
     "ps.max_share": "[0, 1]", "ps.max_age": "[0, inf)", "ps.ema_alpha": "(0, 1]",
-    "ps.target": "[0, 1]", "ps.band": "[0, 1]", "ps.step_size": "(0, 1]",
+    "ps.ema_init": "[0, 1]", "ps.target": "[0, 1]", "ps.band": "[0, 1]",
+    "ps.step_size": "(0, 1]",
     "ps.cooldown": "[0, inf)", "ps.ratio_min": "(0, 1]", "ps.ratio_max": "(0, 1]",
     "spo.d_half": "(0, inf)", "spo.rho_min": "(0, 1]", "spo.rho_max": "(0, 1]",
     "spo.prior": "(0, inf)", "spo.adv_std_ddof": "[0, 1]", "spo.sampler_eps": "[0, inf)",

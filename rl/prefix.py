@@ -1,6 +1,6 @@
 """Prefix Sampling (PS): steer each task's rollout pass rate towards 50% (seed 000).
 
-Per task with N scored rollouts and k successes, p = k/N (defaults low=0.3, high=0.7):
+Per task with N scored rollouts and k successes, p = k/N (ps.low, ps.high):
 
     all_fail   k = 0                 drop (rejection sampling)
     all_pass   k = N                 drop
@@ -13,13 +13,17 @@ A source of `total` agent steps is replayed for k steps:
     too_hard ("remaining" mode): remaining = min(int(total * remaining_ratio), remaining_cap)
                                  k = total - remaining
     too_easy ("prefix" mode):    k = min(int(total * prefix_ratio), prefix_cap)
-    k is clamped to [1, total - 1]; a source with total < 2 makes no prefix task.
+    k is clamped to [1, total - 1]; a source with total < 2 makes no prefix task; a cap
+    of 0 is none.
 
 revisit=True is the control of the method: every skewed group queues its task to run
 again from the start (k = 0, no source replayed), scheduled like a prefix task, so a
 comparison with it separates what the prefix does from re-running the same tasks.
 
-One training step of the bookkeeping, as the trainer calls it:
+One training step of the bookkeeping, as rl.algos.grpo_ps runs it with ps.enabled and
+rollout.max_staleness = 0 (above 0, every chunk of jobs drawn ahead starts with the
+same take() at the step that draws it, and a step trains on the first groups to finish,
+whichever chunk they came from):
 
     prefix_tasks = queue.take(step, batch_size, cfg.max_share)   # run first, freshest first
     ...fill the batch with loader tasks, run N rollouts per task -> groups...
@@ -57,45 +61,31 @@ UNSCORED = "unscored"
 
 @dataclasses.dataclass(frozen=True)
 class PrefixConfig:
-    """Prefix Sampling settings; `PrefixConfig(**config.prefix.to_dict())` from a ConfigDict.
+    """The `ps` section, `PrefixConfig(**config.ps)`: one field per key, each documented
+    with its default in configs.common.prefix_defaults. The caps keep the config's
+    0 = uncapped; cap() reads them as None (uncapped) or a step count."""
 
-    low, high: pass-rate thresholds of the five classes (seed 000: 0.3, 0.7).
-    remaining_ratio: too_hard share of the source's steps left to the model (seed: 0.25).
-    prefix_ratio: too_easy share of the failing source's steps replayed (seed: 0.25).
-    remaining_cap, prefix_cap: step caps of the two modes; None = uncapped (the seed
-      names the caps but gives no values).
-    max_share: at most floor(max_share * batch_size) queued prefix tasks per batch.
-    max_age: a queued task created at step s may run up to step s + max_age, then expires.
-    reprefix: prefix tasks that are still skewed may become prefix sources themselves.
-    adaptive: EMA controller moves the two ratios (seed: on in the 32B recipe).
-    ema_alpha, ema_init, target, band, step_size, cooldown, ratio_min, ratio_max: the
-      controller (seed: 0.05, -, 0.5, 0.03, 0.05, 5, 0.05, 0.95); see AdaptiveController.
-    replay: how a prefix task's code state is restored: "patch" (apply the source's diff
-      after step k; fast) or "reexec" (re-run its k tool calls, logging observations that
-      differ from the recorded ones); a prefix that cannot be restored is an env_error.
-    revisit: the control (module docstring): skewed tasks re-run from the start (k = 0).
-    """
-
-    low: float = 0.3
-    high: float = 0.7
-    remaining_ratio: float = 0.25
-    prefix_ratio: float = 0.25
-    remaining_cap: int | None = None
-    prefix_cap: int | None = None
-    max_share: float = 0.5
-    max_age: int = 2
-    reprefix: bool = False
-    adaptive: bool = False
-    ema_alpha: float = 0.05
-    ema_init: float | None = 0.5
-    target: float = 0.5
-    band: float = 0.03
-    step_size: float = 0.05
-    cooldown: int = 5
-    ratio_min: float = 0.05
-    ratio_max: float = 0.95
-    replay: str = "patch"
-    revisit: bool = False
+    enabled: bool
+    low: float
+    high: float
+    remaining_ratio: float
+    prefix_ratio: float
+    remaining_cap: int
+    prefix_cap: int
+    max_share: float
+    max_age: int
+    reprefix: bool
+    adaptive: bool
+    ema_alpha: float
+    ema_init: float | None
+    target: float
+    band: float
+    step_size: float
+    cooldown: int
+    ratio_min: float
+    ratio_max: float
+    replay: str
+    revisit: bool
 
     def __post_init__(self):
         if self.replay not in ("patch", "reexec"):
@@ -108,11 +98,13 @@ class PrefixConfig:
             raise ValueError(f"max_age must be >= 1 (tasks run the step after), got {self.max_age}")
         for name in ("remaining_cap", "prefix_cap"):
             cap = getattr(self, name)
-            if cap is not None and cap < 1:
-                raise ValueError(f"{name} must be None or >= 1, got {cap}")
+            if cap < 0:
+                raise ValueError(f"{name} must be 0 (uncapped) or >= 1, got {cap}")
 
     def cap(self, kind: str) -> int | None:
-        return self.remaining_cap if _check_kind(kind) == "too_hard" else self.prefix_cap
+        """The step cap of a kind's mode; None when uncapped (0 in the config)."""
+        cap = self.remaining_cap if _check_kind(kind) == "too_hard" else self.prefix_cap
+        return cap or None
 
 
 def _check_kind(kind: str) -> str:
@@ -364,37 +356,28 @@ class AdaptiveController:
       ratio is clamped to [ratio_min, ratio_max] and rounded to 1e-9 so steps stay on
       the 0.05 grid; after a change the next `cooldown` steps make none, so two
       changes are at least cooldown + 1 steps apart.
-    EMA initialisation: ema_init=0.5 (default) starts at the set point, so one early
+    EMA initialisation: ps.ema_init=0.5 (the default) starts at the set point, so one early
     batch with one or two prefix tasks cannot swing the ratio; the EMA leaves the dead
     band only once evidence accumulates (a steady 0.8 pass rate crosses 0.53 on the
-    third observation, a steady 0.6 on the seventh). ema_init=None takes the first
+    third observation, a steady 0.6 on the seventh). ps.ema_init=None takes the first
     observation as the EMA instead. With adaptive=False the EMA is still tracked for
     the metrics and the ratios stay fixed.
     """
 
-    def __init__(self, remaining_ratio: float = 0.25, prefix_ratio: float = 0.25, *,
-                 adaptive: bool = False, alpha: float = 0.05, ema_init: float | None = 0.5,
-                 target: float = 0.5, band: float = 0.03, step_size: float = 0.05,
-                 cooldown: int = 5, ratio_min: float = 0.05, ratio_max: float = 0.95):
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"EMA alpha must be in (0, 1], got {alpha}")
-        if not 0.0 <= ratio_min <= ratio_max <= 1.0:
-            raise ValueError(f"need 0 <= ratio_min <= ratio_max <= 1, got {ratio_min}, {ratio_max}")
-        self.adaptive, self.alpha, self.ema_init = adaptive, alpha, ema_init
-        self.target, self.band, self.step_size = target, band, step_size
-        self.cooldown, self.ratio_min, self.ratio_max = cooldown, ratio_min, ratio_max
-        self.ratios = {"too_hard": self._clamp(remaining_ratio),
-                       "too_easy": self._clamp(prefix_ratio)}
-        self.emas: dict[str, float | None] = {k: ema_init for k in KINDS}
+    def __init__(self, cfg: PrefixConfig):
+        if not 0.0 < cfg.ema_alpha <= 1.0:
+            raise ValueError(f"EMA alpha must be in (0, 1], got {cfg.ema_alpha}")
+        if not 0.0 <= cfg.ratio_min <= cfg.ratio_max <= 1.0:
+            raise ValueError(f"need 0 <= ratio_min <= ratio_max <= 1, got {cfg.ratio_min}, "
+                             f"{cfg.ratio_max}")
+        self.adaptive, self.alpha, self.ema_init = cfg.adaptive, cfg.ema_alpha, cfg.ema_init
+        self.target, self.band, self.step_size = cfg.target, cfg.band, cfg.step_size
+        self.cooldown, self.ratio_min, self.ratio_max = cfg.cooldown, cfg.ratio_min, cfg.ratio_max
+        self.ratios = {"too_hard": self._clamp(cfg.remaining_ratio),
+                       "too_easy": self._clamp(cfg.prefix_ratio)}
+        self.emas: dict[str, float | None] = {k: cfg.ema_init for k in KINDS}
         self.cooling = {k: 0 for k in KINDS}
         self.observations = {k: 0 for k in KINDS}
-
-    @classmethod
-    def from_config(cls, cfg: PrefixConfig) -> AdaptiveController:
-        return cls(cfg.remaining_ratio, cfg.prefix_ratio, adaptive=cfg.adaptive,
-                   alpha=cfg.ema_alpha, ema_init=cfg.ema_init, target=cfg.target,
-                   band=cfg.band, step_size=cfg.step_size, cooldown=cfg.cooldown,
-                   ratio_min=cfg.ratio_min, ratio_max=cfg.ratio_max)
 
     def _clamp(self, ratio: float) -> float:
         return round(min(max(ratio, self.ratio_min), self.ratio_max), 9)

@@ -11,7 +11,7 @@ group, 7919 turns an episode).
     host streams        numpy default_rng([seed, 1]): Prefix Sampling's picks, SPO's
                         job seeds (rl.algos); default_rng([seed, epoch]): the task
                         loader's order each epoch (rl.sampler); default_rng(seed): SPO's
-                        prompt sampler (rl.spo)
+                        prompt sampler (rl.tracker)
     job seed            step * 100_003 + index                  (GRPO + PS jobs)
     member seed         job_seed * 1009 + member                (the N rollouts of a job)
     request seed        (member_seed * 1_000_003 + attempt * 7919 + turn) mod (2^31 - 1)

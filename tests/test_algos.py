@@ -12,7 +12,8 @@ import pytest
 
 from configs import common
 from env.tasks import Task
-from rl import algos, spo
+from rl import algos
+from rl.tracker import load_offline_values, policy_drift, rho_from_drift
 from rl.types import Trajectory, Turn
 from tests.spo_official import OfficialSPO
 
@@ -94,9 +95,9 @@ def test_order_value_before_update_drift_after_it():
     a = np.array([0.0, 1.0]) - v_before
     assert adv.tolist() == pytest.approx(((a - a.mean()) / a.std(ddof=1)).tolist())
     ids, mask, _ = first.token_arrays()
-    D = spo.policy_drift(*score(1, [(ids, mask)]), *score(2, [(ids, mask)]), mask)
+    D = policy_drift(*score(1, [(ids, mask)]), *score(2, [(ids, mask)]), mask)
     assert D > 0 and m["spo/drift_mean"] == D / 2 and m["spo/first_visit_frac"] == 0.5
-    rho = spo.rho_from_drift([D])[0]
+    rho = rho_from_drift([D])[0]
     assert algo.tracker.alpha[0] == pytest.approx(rho * alpha1, rel=1e-12)
     # ...and the stored response is now the second one, scored after step 2.
     stored = algo.tracker.pending_d_requests(["task0"])["task0"]
@@ -128,7 +129,7 @@ def test_drift_over_the_whole_response_includes_tool_outputs():
     assert (response & ~loss_mask.astype(bool)).any()   # tool outputs in the window
     assert algo.tracker.pending_d_requests(["task0"])["task0"].mask.tolist() == response.tolist()
     _, _, m = _step(algo, [[_traj("task0", 0, rng)], [_traj("task2", 1, rng)]], version=2)
-    D = spo.policy_drift(*score(1, [(ids, response)]), *score(2, [(ids, response)]), response)
+    D = policy_drift(*score(1, [(ids, response)]), *score(2, [(ids, response)]), response)
     assert m["spo/drift_mean"] == pytest.approx(D / 2, rel=1e-12)
 
 
@@ -170,10 +171,10 @@ def test_values_file_errors_name_the_line(tmp_path):
     path = tmp_path / "v.jsonl"
     path.write_text('{"task_id": "a", "successes": 1, "n": 2}\n{"task_id": "b", "n": 2}\n')
     with pytest.raises(ValueError, match=r"v.jsonl:2"):
-        spo.load_offline_values(str(path))
+        load_offline_values(str(path))
     path.write_text('{"task_id": "a", "successes": 3, "n": 2}\n')
     with pytest.raises(ValueError, match=r"v.jsonl:1.*successes <= n"):
-        spo.load_offline_values(str(path))
+        load_offline_values(str(path))
 
 
 def test_duplicates_sequential_and_last():
@@ -228,7 +229,7 @@ def test_agrees_with_the_official_tracker_on_random_sequences(tmp_path, offline_
             [official.alpha[t] for t in POOL], rel=tol, abs=1e-12)
         assert ours.tracker.beta[rows].tolist() == pytest.approx(
             [official.beta[t] for t in POOL], rel=tol, abs=1e-12)
-    rho = spo.rho_from_drift(drifts)
+    rho = rho_from_drift(drifts)
     assert (rho == 0.96).any() and (rho == 0.875).any() and ((rho > 0.875) & (rho < 0.96)).any()
     assert [ours.sampler.weights([t])[0] for t in POOL] == pytest.approx(
         [official.weight(t) for t in POOL], rel=tol, abs=1e-12)

@@ -13,9 +13,7 @@ MAX_LINES, MAX_PARAMS = 60, 6
 KNOWN = {
     "inference/embedded.py:EmbeddedEngine.__init__",
     "inference/sglang.py:SGLangClient.__init__",
-    "rl/prefix.py:AdaptiveController.__init__",
     "rl/rollout.py:Agent.__init__",
-    "rl/spo.py:BetaTracker.__init__",
 }
 
 

@@ -348,7 +348,7 @@ def test_choices_agree_with_the_code_that_reads_them():
     from env import grading, sandbox
     from inference import sglang
     from kernels.logprob import api as logprob_api
-    from rl import loss, rollout, spo
+    from rl import loss, rollout, tracker
 
     owners = {"model.preset": tuple(qwen3.PRESETS), "model.remat": tuple(qwen3.REMAT_POLICIES),
               "model.attention": qwen3.ATTENTION_IMPLS,
@@ -359,7 +359,7 @@ def test_choices_agree_with_the_code_that_reads_them():
               "learner.logprob_impl": (None, *logprob_api.IMPLEMENTATIONS),
               "learner.loss.name": tuple(loss.TOKEN_LOSSES),
               "learner.loss.agg": tuple(loss.AGGREGATIONS), "learner.loss.kl": loss.KL_KINDS,
-              "spo.drift_tokens": spo.DRIFT_TOKENS}
+              "spo.drift_tokens": tracker.DRIFT_TOKENS}
     for key, values in owners.items():
         assert set(common.CHOICES[key]) == set(values), key
 

@@ -2,12 +2,16 @@
 the SPO tracker and sampler, the data loader and the run's RNG, through the real Orbax
 checkpoint path that train.py uses; restored objects then behave identically."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
-from rl import prefix, spo
+from configs import common
+from rl import prefix
 from rl.checkpoint import Checkpointer
 from rl.sampler import TaskSampler
+from rl.tracker import BetaTracker, PrioritizedSampler, SPOConfig
 from rl.types import Trajectory, Turn
 
 
@@ -21,9 +25,11 @@ def _traj(task_id, reward, steps, rng):
 
 
 def _objects(seed=0):
-    cfg = prefix.PrefixConfig(adaptive=True, max_age=3)
-    return (prefix.PrefixQueue(cfg.max_age), prefix.AdaptiveController.from_config(cfg),
-            spo.BetaTracker(), TaskSampler([f"t{i}" for i in range(7)], seed),
+    cfg = dataclasses.replace(prefix.PrefixConfig(**common.prefix_defaults()), adaptive=True,
+                              max_age=3)
+    return (prefix.PrefixQueue(cfg.max_age), prefix.AdaptiveController(cfg),
+            BetaTracker(SPOConfig(**common.spo_defaults())),
+            TaskSampler([f"t{i}" for i in range(7)], seed),
             np.random.default_rng(seed), cfg)
 
 
@@ -56,7 +62,7 @@ def _host(queue, controller, tracker, sampler, rng, spo_sampler):
 
 def test_resume_restores_host_state_exactly(tmp_path):
     queue, controller, tracker, sampler, rng, cfg = _objects()
-    spo_sampler = spo.PrioritizedSampler(tracker, seed=3)
+    spo_sampler = PrioritizedSampler(tracker, seed=3)
     for step in range(4):
         _advance(queue, controller, tracker, sampler, rng, cfg, step)
     assert len(queue) > 0 and len(tracker) > 0
@@ -68,7 +74,7 @@ def test_resume_restores_host_state_exactly(tmp_path):
     _, host = Checkpointer(str(tmp_path)).restore(4, {"w": jnp.zeros(3)})
 
     q2, c2, t2, s2, r2, _ = _objects(seed=99)
-    sp2 = spo.PrioritizedSampler(t2, seed=99)
+    sp2 = PrioritizedSampler(t2, seed=99)
     q2.load_state_dict(host["queue"])
     c2.load_state_dict(host["controller"])
     t2.load_state_dict(host["tracker"])

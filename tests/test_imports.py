@@ -41,7 +41,7 @@ def _imports(path: str) -> list[tuple[int, str]]:
 
 def test_the_ast_reader_sees_function_local_imports(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text("import os\ndef f():\n    from rl import spo\n    import models.qwen3\n")
+    path.write_text("import os\ndef f():\n    from rl import tracker\n    import models.qwen3\n")
     assert _imports(str(path)) == [(1, "os"), (3, "rl"), (4, "models")]
 
 

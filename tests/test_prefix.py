@@ -1,11 +1,13 @@
 """Prefix Sampling bookkeeping against the seed 000 table, examples and a simulated population."""
 
+import dataclasses
 import json
 import logging
 
 import numpy as np
 import pytest
 
+from configs import common
 from rl.prefix import (
     AdaptiveController,
     PrefixConfig,
@@ -21,6 +23,11 @@ from rl.prefix import (
     select_source,
 )
 from rl.types import PrefixInfo, Trajectory, Turn
+
+
+def ps_config(**changes) -> PrefixConfig:
+    """The `ps` section's defaults with `changes`."""
+    return dataclasses.replace(PrefixConfig(**common.prefix_defaults()), **changes)
 
 
 def traj(task_id="t", uid="u", reward=0, steps=4, status="finished", prefix=None):
@@ -157,10 +164,10 @@ def test_prefix_tasks_are_not_reprefixed_unless_configured():
     info = PrefixInfo("old", 2, "too_hard")
     groups = [group([1, 0, 0, 0, 0, 0, 0, 0], "fresh"),
               group([1, 0, 0, 0, 0, 0, 0, 0], "pref", prefix=info)]
-    ctrl = AdaptiveController()
-    ps = build_prefix_tasks(groups, 0, PrefixConfig(), ctrl, rng)
+    ctrl = AdaptiveController(ps_config())
+    ps = build_prefix_tasks(groups, 0, ps_config(), ctrl, rng)
     assert [t.task_id for t in ps.tasks] == ["fresh"] and ps.no_source == 1
-    ps = build_prefix_tasks(groups, 0, PrefixConfig(reprefix=True), ctrl, rng)
+    ps = build_prefix_tasks(groups, 0, ps_config(reprefix=True), ctrl, rng)
     assert [t.task_id for t in ps.tasks] == ["fresh", "pref"]
 
 
@@ -180,13 +187,23 @@ def test_queue_state_round_trip_exact():
     assert empty.tasks == [] and empty.max_age == 4
 
 
+def test_a_cap_of_0_is_uncapped():
+    """The config's caps (0 = uncapped) read through PrefixConfig.cap."""
+    cfg = ps_config(remaining_cap=0, prefix_cap=3)
+    assert cfg.cap("too_hard") is None and cfg.cap("too_easy") == 3
+    assert prefix_k(100, "too_hard", 0.25, cfg.cap("too_hard")) == 75      # 25 remaining
+    assert prefix_k(100, "too_easy", 0.25, cfg.cap("too_easy")) == 3
+    with pytest.raises(ValueError, match="prefix_cap"):
+        ps_config(prefix_cap=-1)
+
+
 # ---------------------------------------------------------------- build + metrics
 
 
 def test_build_prefix_tasks_and_metrics():
     rng = np.random.default_rng(1)
-    cfg = PrefixConfig(remaining_cap=2)
-    ctrl = AdaptiveController.from_config(cfg)
+    cfg = ps_config(remaining_cap=2)
+    ctrl = AdaptiveController(cfg)
     groups = [
         group([0] * 8, "fail"),
         group([1] * 8, "pass"),
@@ -222,7 +239,7 @@ def test_revisit_queues_skewed_tasks_from_the_start():
               group([1] * 4 + [0] * 4, "normal"), group([1] + [0] * 7, "hard"),
               group([1] * 7 + [0], "easy"),
               group([1, 0, 0, 0, 0, 0, 0, 0], "again", prefix=PrefixInfo("", 0, "too_hard"))]
-    ps = build_prefix_tasks(groups, 3, PrefixConfig(revisit=True), AdaptiveController(),
+    ps = build_prefix_tasks(groups, 3, ps_config(revisit=True), AdaptiveController(ps_config()),
                             np.random.default_rng(0))
     assert [(t.task_id, t.kind, t.k, t.turns, t.patch, t.created_step) for t in ps.tasks] == [
         ("hard", "too_hard", 0, [], "", 3), ("easy", "too_easy", 0, [], "", 3)]
@@ -249,7 +266,7 @@ def test_fresh_pass_rate_leaves_out_prefixed_and_unscored_rollouts():
 
 
 def test_controller_steps_cooldown_and_clamp():
-    c = AdaptiveController(adaptive=True, ema_init=None, cooldown=2, ratio_max=0.35)
+    c = AdaptiveController(ps_config(adaptive=True, ema_init=None, cooldown=2, ratio_max=0.35))
     ratios = []
     for _ in range(12):
         c.update({"too_hard": 0.9, "too_easy": None})
@@ -257,7 +274,7 @@ def test_controller_steps_cooldown_and_clamp():
     # changes at steps 0, 3, then the clamp at 0.35 holds; too_easy never moves
     assert ratios == [0.3, 0.3, 0.3, 0.35] + [0.35] * 8
     assert c.ratio("too_easy") == 0.25 and c.ema("too_easy") is None
-    fixed = AdaptiveController(adaptive=False)
+    fixed = AdaptiveController(ps_config(adaptive=False))
     for _ in range(20):
         fixed.update({"too_hard": 1.0, "too_easy": 0.0})
     assert fixed.ratios == {"too_hard": 0.25, "too_easy": 0.25}
@@ -276,7 +293,7 @@ def simulate(steps=300, tasks=64, rollouts=8, seed=0):
     """
     rng = np.random.default_rng(seed)
     r_star = {"too_hard": 0.05, "too_easy": 0.45}
-    ctrl = AdaptiveController(adaptive=True)
+    ctrl = AdaptiveController(ps_config(adaptive=True))
     ema, ratio = {k: [] for k in r_star}, {k: [] for k in r_star}
     used = dict(ctrl.ratios)
     for t in range(steps):
@@ -306,11 +323,11 @@ def test_controller_holds_half_on_drifting_population():
 
 
 def test_controller_state_round_trip_exact():
-    c = AdaptiveController(adaptive=True, ema_init=None)
+    c = AdaptiveController(ps_config(adaptive=True, ema_init=None))
     for rate in (0.9, 0.8, None, 0.1):
         c.update({"too_hard": rate, "too_easy": 0.3})
     state = json.loads(json.dumps(c.state_dict()))
-    c2 = AdaptiveController(adaptive=True, ema_init=None)
+    c2 = AdaptiveController(ps_config(adaptive=True, ema_init=None))
     c2.load_state_dict(state)
     assert c2.state_dict() == c.state_dict()
     for rate in (0.7, 0.2, 0.9):
@@ -320,20 +337,21 @@ def test_controller_state_round_trip_exact():
 
 
 def test_fixed_ratios_come_from_the_config_on_resume(caplog):
-    old = AdaptiveController(remaining_ratio=0.25, prefix_ratio=0.25)
+    old = AdaptiveController(ps_config(remaining_ratio=0.25, prefix_ratio=0.25))
     old.update({"too_hard": 1.0, "too_easy": None})
     state = json.loads(json.dumps(old.state_dict()))
-    fixed = AdaptiveController(remaining_ratio=0.75, prefix_ratio=0.25)
+    fixed = AdaptiveController(ps_config(remaining_ratio=0.75, prefix_ratio=0.25))
     with caplog.at_level("WARNING", logger="rl.prefix"):
         fixed.load_state_dict(state)
     assert fixed.ratio("too_hard") == 0.75 and fixed.ratio("too_easy") == 0.25
     assert fixed.ema("too_hard") == old.ema("too_hard")      # the EMA is still state
     assert "configured" in caplog.text
-    adaptive = AdaptiveController(remaining_ratio=0.75, adaptive=True)
+    adaptive = AdaptiveController(ps_config(remaining_ratio=0.75, adaptive=True))
     adaptive.load_state_dict(state)
     assert adaptive.ratio("too_hard") == 0.25                # learned: the controller's own
-    untouched = AdaptiveController(remaining_ratio=0.25).state_dict()   # e.g. a warm start's
-    adaptive = AdaptiveController(remaining_ratio=0.75, adaptive=True)
+    # e.g. a warm start's
+    untouched = AdaptiveController(ps_config(remaining_ratio=0.25)).state_dict()
+    adaptive = AdaptiveController(ps_config(remaining_ratio=0.75, adaptive=True))
     adaptive.load_state_dict(untouched)
     assert adaptive.ratio("too_hard") == 0.75
 
@@ -414,4 +432,4 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     assert all(not t.is_env_error and t.prefix is not None for t in prefixed)
     assert all(t.turns[0].replayed and t.turns[1].replayed for t in prefixed)
     with pytest.raises(ValueError, match="replay"):
-        PrefixConfig(replay="redo")
+        ps_config(replay="redo")

@@ -1,16 +1,19 @@
 """SPO tracker, advantages and sampler against seed 002's worked numbers and plain loops."""
 
+import dataclasses
 import json
 import math
 
 import numpy as np
 import pytest
 
-from rl.spo import (
+from configs import common
+from rl.tracker import (
     MAX_OFFLINE_N,
     BetaTracker,
     OfflineValuesError,
     PrioritizedSampler,
+    SPOConfig,
     drift_mask,
     load_offline_values,
     offline_prior,
@@ -20,9 +23,14 @@ from rl.spo import (
 )
 
 
+def spo_config(**changes) -> SPOConfig:
+    """The `spo` section's defaults with `changes`."""
+    return dataclasses.replace(SPOConfig(**common.spo_defaults()), **changes)
+
+
 def seed_values(successes, d_over_dhalf, rewards):
     """Seed 002 protocol: n0 = 8 offline samples, constant D, v read after each update."""
-    tracker = BetaTracker()
+    tracker = BetaTracker(spo_config())
     tracker.init_offline(["p"], [successes], n0=8, form="paper")
     out = []
     for r in rewards:
@@ -64,7 +72,7 @@ def loop_update(state, ids, rewards, rhos):
 def test_vectorised_update_equals_sequential_loop():
     rng = np.random.default_rng(0)
     pool = [f"task{i}" for i in range(40)]
-    tracker = BetaTracker(capacity=4)
+    tracker = BetaTracker(spo_config(), capacity=4)
     tracker.init_offline(pool[:10], rng.integers(0, 9, 10), n0=8, form="paper")
     ref = {t: [tracker.alpha[i], tracker.beta[i]] for i, t in enumerate(pool[:10])}
     for _ in range(30):
@@ -81,8 +89,17 @@ def test_vectorised_update_equals_sequential_loop():
     assert v.tolist() == [a / (a + b) for a, b in ref.values()]
 
 
+def test_constant_rho_is_rho_min_and_the_prior_a_float_pair():
+    cfg = spo_config(rho_type="constant", rho_min=0.7, rho_max=0.9, prior=[1, 3])
+    assert cfg.prior == (1.0, 3.0) and all(type(x) is float for x in cfg.prior)
+    tracker = BetaTracker(cfg)
+    assert tracker.rho(np.array([0.0, 5.0])).tolist() == [0.7, 0.7]
+    assert tracker.update(["a"], [1]).tolist() == [0.7]
+    assert (tracker.alpha[0], tracker.beta[0]) == (0.7 * 1.0 + 1, 0.7 * 3.0)
+
+
 def test_duplicates_in_one_batch_apply_in_order():
-    tracker = BetaTracker(rho_type="constant", rho_constant=0.5, prior=(2.0, 2.0))
+    tracker = BetaTracker(spo_config(rho_type="constant", rho_min=0.5, prior=(2.0, 2.0)))
     tracker.update(["a", "b", "a", "a"], [1, 0, 0, 1])
     # a: (2,2) -r1-> (2,1) -r0-> (1,1.5) -r1-> (1.5,0.75)
     assert tracker.alpha[0] == 1.5 and tracker.beta[0] == 0.75
@@ -133,7 +150,7 @@ def test_drift_mask_generated_or_whole_response():
 
 
 def test_drift_requests_and_store_flow():
-    tracker = BetaTracker()
+    tracker = BetaTracker(spo_config())
     assert tracker.drift(["x"], {}).tolist() == [0.0]  # first visit
     rho = tracker.update(["x"], [1], D=tracker.drift(["x"], {}))
     assert rho.tolist() == [0.96]
@@ -157,7 +174,7 @@ def test_drift_requests_and_store_flow():
 
 
 def test_values_of_unknown_ids_use_prior_and_do_not_insert():
-    tracker = BetaTracker(prior=(1.0, 3.0))
+    tracker = BetaTracker(spo_config(prior=(1.0, 3.0)))
     assert tracker.values(["new"]).tolist() == [0.25] and "new" not in tracker
     with pytest.raises(TypeError, match="str"):
         tracker.update([3], [1], D=[0.0])
@@ -179,7 +196,7 @@ def test_spo_advantages_hand_values():
 
 
 def test_sampler_weights_and_frequencies():
-    tracker = BetaTracker()
+    tracker = BetaTracker(spo_config())
     pool = ["a", "b", "c", "d"]
     tracker.init_offline(pool, [4, 2, 6, 0], n0=8, form="paper")    # v = 0.5, 0.25, 0.75, 0
     sampler = PrioritizedSampler(tracker, seed=0, replace=True)
@@ -192,7 +209,7 @@ def test_sampler_weights_and_frequencies():
 
 
 def test_sampler_without_replacement():
-    tracker = BetaTracker()
+    tracker = BetaTracker(spo_config())
     pool = ["a", "b", "c", "d"]
     tracker.init_offline(pool, [4, 2, 6, 0], n0=8, form="paper")
     sampler = PrioritizedSampler(tracker, seed=1)
@@ -210,7 +227,7 @@ def test_sampler_without_replacement():
 
 
 def test_sampler_state_round_trip():
-    tracker = BetaTracker()
+    tracker = BetaTracker(spo_config())
     pool = [f"t{i}" for i in range(50)]
     s1 = PrioritizedSampler(tracker, seed=3)
     s1.sample(pool, 8)
@@ -222,7 +239,7 @@ def test_sampler_state_round_trip():
 
 def test_tracker_state_round_trip_exact():
     rng = np.random.default_rng(2)
-    tracker = BetaTracker(capacity=2)
+    tracker = BetaTracker(spo_config(), capacity=2)
     pool = [f"t{i}" for i in range(9)]
     tracker.update(pool, rng.integers(0, 2, 9), D=rng.exponential(0.05, 9))
     assert tracker.alpha.size == 16                   # 2 -> 4 -> 8 -> 16
@@ -230,7 +247,7 @@ def test_tracker_state_round_trip_exact():
     tracker.store_response("t7", [4], [-0.4])
     state = tracker.state_dict()
     json.dumps(state["task_ids"])
-    other = BetaTracker()
+    other = BetaTracker(spo_config())
     other.load_state_dict(state)
     s2 = other.state_dict()
     assert state.keys() == s2.keys()

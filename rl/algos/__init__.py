@@ -1,9 +1,9 @@
 """Training algorithms behind one interface (rl.algos.base.Algorithm), by `config.algo`."""
 
-from rl import prefix
+from rl import prefix, tracker
 from rl.algos.base import Algorithm, Context
-from rl.algos.grpo_ps import GRPOPrefix, prefix_config
-from rl.algos.spo import SPO, tracker_from_config
+from rl.algos.grpo_ps import GRPOPrefix
+from rl.algos.spo import SPO
 
 ALGORITHMS: dict[str, type[Algorithm]] = {"grpo": GRPOPrefix, "spo": SPO}
 
@@ -23,8 +23,8 @@ def check_config(config) -> None:
 def check_sections(config) -> None:
     """Builds what the algorithms build from their sections (Prefix Sampling's controller,
     SPO's tracker) whichever `algo` runs: a dry run checks every section."""
-    prefix.AdaptiveController.from_config(prefix_config(config.ps))
-    tracker_from_config(config.spo)
+    prefix.AdaptiveController(prefix.PrefixConfig(**config.ps))
+    tracker.BetaTracker(tracker.SPOConfig(**config.spo))
 
 
 def build(ctx: Context) -> Algorithm:

@@ -18,7 +18,6 @@ groups are gathered (rl.distributed).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,15 +30,6 @@ from rl.rollout import RolloutJob, StreamCollector, decode_jobs, encode_jobs
 from rl.sampler import TaskSampler
 from rl.seeds import job_seed
 from rl.types import Trajectory
-
-
-def prefix_config(ps_cfg) -> prefix.PrefixConfig:
-    """PrefixConfig from the config's `ps` section (caps of 0 mean uncapped)."""
-    fields = {f.name for f in dataclasses.fields(prefix.PrefixConfig)}
-    kw = {k: v for k, v in ps_cfg.items() if k in fields}
-    kw["remaining_cap"] = ps_cfg.remaining_cap or None
-    kw["prefix_cap"] = ps_cfg.prefix_cap or None
-    return prefix.PrefixConfig(**kw)
 
 
 class GRPOPrefix(Algorithm):
@@ -55,13 +45,13 @@ class GRPOPrefix(Algorithm):
         c = ctx.config
         self.agent, self.group_size, self.batch_tasks = ctx.agent, c.group_size, c.batch_tasks
         self.advantage, self.reject_degenerate = c.advantage, c.reject_degenerate
-        self.ps_enabled = bool(c.ps.enabled)
-        self.ps_cfg = prefix_config(c.ps)
+        self.ps_cfg = prefix.PrefixConfig(**c.ps)
+        self.ps_enabled = self.ps_cfg.enabled
         self.rollouts_per_step = c.batch_tasks * c.group_size
         self.task_by_id = {t.instance_id: t for t in ctx.train_tasks}
         self.sampler = TaskSampler(ctx.train_tasks, seed=c.seed)
         self.queue = prefix.PrefixQueue(max_age=self.ps_cfg.max_age)
-        self.controller = prefix.AdaptiveController.from_config(self.ps_cfg)
+        self.controller = prefix.AdaptiveController(self.ps_cfg)
         self.rng = seeds.host_rng(c.seed)
         self.max_staleness, self.stale = c.rollout.max_staleness, c.rollout.stale
         self.stream = bool(self.max_staleness)  # generation goes on while the learner trains

@@ -1,4 +1,4 @@
-"""SPO (seed 002; the maths in rl.spo): one response per prompt, a persistent Beta
+"""SPO (seed 002; the maths in rl.tracker): one response per prompt, a persistent Beta
 baseline per task id, prioritised prompts collected as a single stream.
 
 A step, in the official code's order (verl-recipe spo_ray_trainer.py):
@@ -12,7 +12,7 @@ A step, in the official code's order (verl-recipe spo_ray_trainer.py):
 Offline start (before the first step): `spo.init_samples` = n0 rollouts of every pool
 prompt with the initial policy, through the same stream collector, or
 `spo.init_values` = a JSONL file of {"task_id", "successes", "n"}; either gives
-(alpha0, beta0) in `spo.init_form` (rl.spo.offline_prior). Without one, every prompt
+(alpha0, beta0) in `spo.init_form` (rl.tracker.offline_prior). Without one, every prompt
 starts at `spo.prior`.
 """
 
@@ -25,20 +25,21 @@ from typing import Any
 
 import numpy as np
 
-from rl import seeds, spo
+from rl import seeds
 from rl.algos.base import Algorithm, Context, Progress
 from rl.rollout import RolloutJob, StreamCollector
+from rl.tracker import (
+    DRIFT_TOKENS,
+    BetaTracker,
+    PrioritizedSampler,
+    SPOConfig,
+    drift_mask,
+    load_offline_values,
+    spo_advantages,
+)
 from rl.types import Trajectory
 
 log = logging.getLogger(__name__)
-
-
-def tracker_from_config(spo_cfg) -> spo.BetaTracker:
-    """The Beta tracker of the config's `spo` section (constant rho = rho_min)."""
-    return spo.BetaTracker(rho_type=spo_cfg.rho_type, d_half=spo_cfg.d_half,
-                           rho_min=spo_cfg.rho_min, rho_max=spo_cfg.rho_max,
-                           rho_constant=spo_cfg.rho_min, prior=tuple(spo_cfg.prior),
-                           duplicates=spo_cfg.duplicates)
 
 
 class SPO(Algorithm):
@@ -56,17 +57,17 @@ class SPO(Algorithm):
 
     def __init__(self, ctx: Context):
         c = ctx.config
-        self.cfg, self.agent, self.score = c.spo, ctx.agent, ctx.score
+        self.cfg, self.agent, self.score = SPOConfig(**c.spo), ctx.agent, ctx.score
         if self.cfg.init_samples and self.cfg.init_values:
             raise ValueError("set one of spo.init_samples and spo.init_values, not both")
-        if self.cfg.drift_tokens not in spo.DRIFT_TOKENS:
-            raise ValueError(f"spo.drift_tokens must be one of {spo.DRIFT_TOKENS}, "
+        if self.cfg.drift_tokens not in DRIFT_TOKENS:
+            raise ValueError(f"spo.drift_tokens must be one of {DRIFT_TOKENS}, "
                              f"got {self.cfg.drift_tokens!r}")
         if self.cfg.unseen not in ("draw", "skip"):
             raise ValueError(f"spo.unseen must be 'draw' or 'skip', got {self.cfg.unseen!r}")
         self.batch_tasks = self.rollouts_per_step = c.batch_tasks
-        self.tracker = tracker_from_config(self.cfg)
-        self.sampler = spo.PrioritizedSampler(self.tracker, seed=c.seed, eps=self.cfg.sampler_eps)
+        self.tracker = BetaTracker(self.cfg)
+        self.sampler = PrioritizedSampler(self.tracker, seed=c.seed, eps=self.cfg.sampler_eps)
         self.rng = seeds.host_rng(c.seed)
         self.task_by_id = {t.instance_id: t for t in ctx.train_tasks}
         ids = list(self.task_by_id)
@@ -84,7 +85,7 @@ class SPO(Algorithm):
     async def start(self, progress: Progress = None) -> dict[str, float]:
         """The offline values: n0 rollouts per pool prompt (init_samples) or a file."""
         if self.cfg.init_values:
-            ids, successes, n = spo.load_offline_values(self.cfg.init_values)
+            ids, successes, n = load_offline_values(self.cfg.init_values)
             known = [i for i, t in enumerate(ids) if t in self.task_by_id]
             if len(known) < len(ids):
                 log.warning("%s: %d of %d task ids are not training tasks; ignored",
@@ -165,7 +166,7 @@ class SPO(Algorithm):
         rewards = np.array([t.reward for t in scored], np.float64)
         v_before = self.tracker.values(ids)
         self._pending = (ids, rewards, [self._drift_window(t) for t in scored])
-        adv = spo.spo_advantages(rewards, v_before, ddof=self.cfg.adv_std_ddof)
+        adv = spo_advantages(rewards, v_before, ddof=self.cfg.adv_std_ddof)
         metrics = {"spo/v_mean": float(v_before.mean())}
         if rewards.var() > 0:  # the share of the reward's variance the baseline leaves
             metrics["spo/residual_var_ratio"] = float((rewards - v_before).var()
@@ -178,7 +179,7 @@ class SPO(Algorithm):
         """(ids[T], the tokens D averages over[T]) of one response (spo.drift_tokens)."""
         ids, loss_mask = traj.token_arrays()[:2]
         prompt_len = len(traj.turns[0].obs_ids) if traj.turns else len(ids)
-        return ids, spo.drift_mask(loss_mask, prompt_len, self.cfg.drift_tokens)
+        return ids, drift_mask(loss_mask, prompt_len, self.cfg.drift_tokens)
 
     async def after_update(self, step: int, params) -> dict[str, float]:
         """D under the updated params, the tracker update, this step's responses stored."""

@@ -27,20 +27,27 @@ runs it):
     tracker.update(ids, rewards, D=tracker.drift(ids, logp_now))
     for each sample: tracker.store_response(id, ids, score(ids, mask), mask)  # updated params
 
-Where this module's defaults differ from the official code, the official behaviour is
-one option away (config keys of the `spo` section in brackets):
-- duplicates [spo.duplicates]: a prompt drawn twice in one batch is updated once per
-  sample in batch order ("sequential", the default: no evidence is dropped). Official:
-  every sample is computed from the pre-step (alpha, beta) and the last one written
-  wins ("last").
-- advantage std [spo.adv_std_ddof]: torch's unbiased std (ddof 1), as the official code
-  (the default); ddof 0 is the population std.
-- unseen prompts [spo.prior, spo.unseen]: a prompt with no offline value starts at
-  `prior` (default Beta(1, 1), v = 0.5, the largest sampling weight) and is drawn
-  ("draw"). Official: Beta(0.5, 0.5) when no offline samples are used, and prompts
-  missing from the offline values file are never drawn ("skip").
-- offline start [spo.init_form]: the official "+0.5" form ("reference",
-  alpha0 = N0 (s + 0.5) / (n0 + 1)) or the paper's Eq. 6 ("paper"); see offline_prior.
+The `spo` section's choices (defaults in configs.common.spo_defaults) next to the
+official code's; where they differ, the official behaviour is one option away:
+
+    key                  default              official
+    spo.duplicates       "sequential"         "last"
+    spo.prior            (1, 1)               (0.5, 0.5) when no offline samples are used
+    spo.unseen           "draw"               "skip"
+    spo.drift_tokens     "generated"          "response"
+    spo.adv_std_ddof     1                    1 (torch's unbiased std)
+    spo.init_form        "reference"          "reference"
+
+- duplicates: a prompt drawn twice in one batch is updated once per sample in batch
+  order ("sequential": no evidence is dropped), or every sample is computed from the
+  pre-step (alpha, beta) and the last one written wins ("last").
+- prior, unseen: a prompt with no offline value starts at `prior` (Beta(1, 1): v = 0.5,
+  the largest sampling weight) and is drawn ("draw"), or is never drawn ("skip").
+- drift_tokens: the tokens D averages over (drift_mask).
+- adv_std_ddof: 1, torch's unbiased std; 0, the population std.
+- init_form: the offline start in the official "+0.5" form ("reference") or the paper's
+  Eq. 6 ("paper"); see offline_prior.
+
 A prompt drawn twice in one batch shares one v_before and one D, and keeps the last
 sample's response, in both duplicate modes (as the official code does).
 
@@ -211,38 +218,61 @@ class StoredResponse:
     logp: np.ndarray
 
 
-class BetaTracker:
-    """Host-side float64 alpha[P], beta[P], rows keyed by task id (grows by doubling).
+@dataclasses.dataclass(frozen=True)
+class SPOConfig:
+    """The `spo` section, `SPOConfig(**config.spo)`: one field per key, each documented
+    with its default in configs.common.spo_defaults. `prior` is kept as a tuple of
+    floats."""
 
-    rho_type: "kl" (rho from the drift D) or "constant" (rho = rho_constant, default
-      rho_min, whose stationary evidence 1 / (1 - rho) equals the offline N0).
-    prior: (alpha, beta) of a task never initialised nor updated; default Beta(1, 1),
-      v = 0.5, weak so that the first visits dominate. Seed 002 initialises every
-      prompt offline (init_offline) and gives no prior for unseen ones; the official
-      code starts every prompt at Beta(0.5, 0.5) when it uses no offline samples.
+    rho_type: Literal["kl", "constant"]
+    d_half: float
+    rho_min: float
+    rho_max: float
+    prior: tuple[float, float]
+    sampler_eps: float
+    pool_size: int
+    in_flight: int
+    init_samples: int
+    init_values: str
+    init_form: Literal["paper", "reference"]
+    duplicates: Literal["sequential", "last"]
+    adv_std_ddof: int
+    unseen: str
+    drift_tokens: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "prior", (float(self.prior[0]), float(self.prior[1])))
+
+
+class BetaTracker:
+    """Host-side float64 alpha[P], beta[P], rows keyed by task id (grows by doubling from
+    `capacity` rows).
+
+    rho_type: "kl" (rho from the drift D) or "constant" (rho = rho_min, whose stationary
+      evidence 1 / (1 - rho) equals the offline N0).
+    prior: (alpha, beta) of a task never initialised nor updated. Seed 002 initialises
+      every prompt offline (init_offline) and gives no prior for unseen ones; the
+      official code starts every prompt at Beta(0.5, 0.5) when it uses no offline samples.
     duplicates: how a batch that holds one id several times updates it: "sequential"
       (once per sample, in batch order) or "last" (each sample from the pre-step value,
       the last one written wins: the official code).
     """
 
-    def __init__(self, *, rho_type: Literal["kl", "constant"] = "kl", d_half: float = 0.06,
-                 rho_min: float = 0.875, rho_max: float = 0.96, rho_constant: float = 0.875,
-                 prior: tuple[float, float] = (1.0, 1.0),
-                 duplicates: Literal["sequential", "last"] = "sequential",
-                 capacity: int = 1024):
-        if rho_type not in ("kl", "constant"):
-            raise ValueError(f"rho_type must be 'kl' or 'constant', got {rho_type!r}")
-        if not 0.0 < rho_min <= rho_max <= 1.0 or not 0.0 < rho_constant <= 1.0:
-            raise ValueError(f"need 0 < rho_min <= rho_max <= 1 and 0 < rho_constant <= 1, got "
-                             f"{rho_min}, {rho_max}, {rho_constant}")
-        if min(prior) < 0 or sum(prior) <= 0:
-            raise ValueError(f"prior (alpha, beta) must be >= 0 with a positive sum, got {prior}")
-        self.rho_type, self.d_half = rho_type, d_half
-        self.rho_min, self.rho_max, self.rho_constant = rho_min, rho_max, rho_constant
-        self.prior = (float(prior[0]), float(prior[1]))
-        if duplicates not in ("sequential", "last"):
-            raise ValueError(f"duplicates must be 'sequential' or 'last', got {duplicates!r}")
-        self.duplicates = duplicates
+    def __init__(self, cfg: SPOConfig, capacity: int = 1024):
+        if cfg.rho_type not in ("kl", "constant"):
+            raise ValueError(f"rho_type must be 'kl' or 'constant', got {cfg.rho_type!r}")
+        if not 0.0 < cfg.rho_min <= cfg.rho_max <= 1.0:
+            raise ValueError(f"need 0 < rho_min <= rho_max <= 1, got {cfg.rho_min}, "
+                             f"{cfg.rho_max}")
+        if min(cfg.prior) < 0 or sum(cfg.prior) <= 0:
+            raise ValueError(f"prior (alpha, beta) must be >= 0 with a positive sum, "
+                             f"got {cfg.prior}")
+        if cfg.duplicates not in ("sequential", "last"):
+            raise ValueError(f"duplicates must be 'sequential' or 'last', got "
+                             f"{cfg.duplicates!r}")
+        self.rho_type, self.d_half, self.duplicates = cfg.rho_type, cfg.d_half, cfg.duplicates
+        self.rho_min, self.rho_max = cfg.rho_min, cfg.rho_max
+        self.prior = cfg.prior
         self._index: dict[str, int] = {}
         self._ids: list[str] = []
         self._responses: list[StoredResponse | None] = []
@@ -289,10 +319,10 @@ class BetaTracker:
         return a / (a + b)
 
     def rho(self, D=None, size: int | None = None) -> np.ndarray:
-        """rho[B] for drifts D[B] ("kl") or the constant (then D is ignored)."""
+        """rho[B] for drifts D[B] ("kl") or the constant rho_min (then D is ignored)."""
         if self.rho_type == "constant":
             n = size if D is None else np.asarray(D).shape[0]
-            return np.full(n, self.rho_constant)
+            return np.full(n, self.rho_min)
         if D is None:
             raise ValueError("rho_type='kl' needs D per sample (tracker.drift)")
         return rho_from_drift(D, self.d_half, self.rho_min, self.rho_max)
