@@ -34,6 +34,7 @@ from flax import nnx
 from configs import common
 from env import latency, splits
 from env import sandbox as sandboxes_lib
+from env.sandbox.pool import SandboxPool
 from env.tasks import Task
 from inference import build as engines
 from inference import sglang
@@ -192,10 +193,10 @@ async def run(config, workdir: str, eval_only: bool = False, eval_out: str | Non
 
     # ------------------------------------------------------------------ environment
     sandboxes = sandboxes_lib.from_config(config.env)
-    agent = Agent(engine, tokenizer, sandboxes, RolloutConfig(**config.rollout),
-                  max_concurrent_envs=config.env.max_concurrent,
-                  tools_in_prompt=config.env.tools_in_prompt,
-                  latency=latency.from_config(config.env.latency, config.seed))
+    slow_calls = latency.LatencyModel(latency.LatencyConfig(**config.env.latency), config.seed)
+    agent = Agent(engine, tokenizer, SandboxPool(sandboxes, config.env.max_concurrent),
+                  RolloutConfig(**config.rollout), tools_in_prompt=config.env.tools_in_prompt,
+                  latency=slow_calls)
 
     # ------------------------------------------------------------------ learner, algorithm
     r = Run(config, workdir, mesh, graphdef, agent, sandboxes, eval_tasks,

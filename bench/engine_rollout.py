@@ -48,6 +48,7 @@ import train
 from bench.env import old_local_factory
 from configs.common import load_config
 from env import sandbox, splits
+from env.sandbox.pool import SandboxPool
 from inference.embedded import EmbeddedEngine, options_from_config
 from models import loading, sharding
 from rl import learner, sft
@@ -163,9 +164,9 @@ async def run(args) -> dict:
     # The old commit graded every episode; this tree grades a patch once (GradeCache).
     rollout_cfgs = {name: RolloutConfig(**{**config.rollout, "grade_cache": cached})
                     for name, cached in (("old", False), ("new", bool(args.grade_cache)))}
-    agents = {name: Agent(engine, tokenizer, factories[name], rollout_cfgs[name],
-                          max_concurrent_envs=config.env.max_concurrent,
-                          tools_in_prompt=config.env.tools_in_prompt)
+    agents = {name: Agent(engine, tokenizer,
+                          SandboxPool(factories[name], config.env.max_concurrent),
+                          rollout_cfgs[name], tools_in_prompt=config.env.tools_in_prompt)
               for name, engine in engines.items()}
     rng = np.random.default_rng(args.seed)
     rounds = []

@@ -74,13 +74,14 @@ from typing import Any
 
 import numpy as np
 
+from configs import common, default
 from env.sandbox import SandboxFactory
 from env.sandbox.base import ExecResult, Sandbox, SandboxError
+from env.sandbox.pool import SandboxPool
 from env.tasks import Task
 from inference.engine import Engine, EngineError, GenerateRequest, GenerateResult
 from models.tokenizer import TOOL_CALL_END, Tokenizer, render_chat, render_tool_call, train_bpe
 from rl.rollout import (
-    SYSTEM_PROMPT,
     Agent,
     RolloutConfig,
     RolloutJob,
@@ -88,6 +89,9 @@ from rl.rollout import (
     collect_groups,
 )
 from rl.types import Trajectory
+
+# The default config's rollout section: the simulated runs change their budgets only.
+ROLLOUT = default.get_config().rollout
 
 GRADE_COMMAND = "sim-grade"
 _SLEEP = re.compile(r"sleep (\d+(?:\.\d+)?)(?: # .*)?")
@@ -353,7 +357,7 @@ def sim_tokenizer() -> Tokenizer:
         calls = [{"name": "execute_bash",
                   "arguments": {"command": f"sleep {i * 0.731 % 9:.3f} # trajectory {i}"}},
                  {"name": "finish", "arguments": {"message": f"trajectory {i}"}}]
-        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+        messages = [{"role": "system", "content": common.SYSTEM_PROMPT},
                     {"role": "user", "content": task(i).problem_statement}]
         for call in calls:
             messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
@@ -417,11 +421,13 @@ async def run_mode(mode: str, cfg: SimConfig, tokenizer: Tokenizer) -> ModeResul
     if mode not in ("group", "stream"):
         raise ValueError(f"mode must be 'group' or 'stream', got {mode!r}")
     engine = SimEngine(tokenizer, cfg.model, cfg.time_scale, cfg.seed)
-    rollout_cfg = RolloutConfig(max_steps=cfg.max_steps, max_turn_tokens=128,
-                                max_response_tokens=1 << 20, max_context=1 << 20,
-                                wall_timeout_s=86_400.0)
-    agent = Agent(engine, tokenizer, sandbox_factory(cfg.model, cfg.time_scale, cfg.seed),
-                  rollout_cfg, max_concurrent_envs=cfg.concurrency, tools_in_prompt=False)
+    rollout_cfg = RolloutConfig(**{
+        **ROLLOUT, "max_steps": cfg.max_steps, "max_turn_tokens": 128,
+        "max_response_tokens": 1 << 20, "max_context": 1 << 20, "wall_timeout_s": 86_400.0,
+        "temperature": 1.0, "test_timeout_s": 60.0})
+    agent = Agent(engine, tokenizer,
+                  SandboxPool(sandbox_factory(cfg.model, cfg.time_scale, cfg.seed),
+                              cfg.concurrency), rollout_cfg, tools_in_prompt=False)
     n = cfg.group_size
     tasks_per_batch = cfg.batch // n
     jobs_started = iter(range(1 << 62))

@@ -147,6 +147,7 @@ def load_agent(config, workdir: str):
     """(agent, training tasks) of the warm start in `workdir` (its step-0 checkpoint and
     tokenizer), sampling as the run's rollouts do, for measurements outside train.py."""
     from env import sandbox, splits
+    from env.sandbox.pool import SandboxPool
     from inference import build as engines
     from models import loading, sharding
     from rl import learner, sft
@@ -165,9 +166,9 @@ def load_agent(config, workdir: str):
     finally:
         ckpt.close()
     engine = engines.from_config(config, lambda: (graphdef, state.params), workdir, model_cfg)
-    agent = Agent(engine, tokenizer, sandbox.from_config(config.env),
-                  RolloutConfig(**config.rollout), max_concurrent_envs=config.env.max_concurrent,
-                  tools_in_prompt=config.env.tools_in_prompt)
+    agent = Agent(engine, tokenizer,
+                  SandboxPool(sandbox.from_config(config.env), config.env.max_concurrent),
+                  RolloutConfig(**config.rollout), tools_in_prompt=config.env.tools_in_prompt)
     return agent, train_tasks
 
 

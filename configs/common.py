@@ -129,6 +129,10 @@ def load_config(spec: str) -> ConfigDict:
 # sandbox (one sandbox less per episode, but what the agent left outside its patch, e.g.
 # a .pth file in site-packages, reaches the reward). env.episode.Episode.
 GRADING = "fresh"
+# The system message of every conversation (rollout.system_prompt).
+SYSTEM_PROMPT = (
+    "You are a programming agent. Fix the issue in the repository by calling tools. "
+    "Call exactly one tool per turn. Call finish when the tests pass.")
 
 
 def sandbox_defaults() -> dict[str, Any]:

@@ -68,7 +68,7 @@ def get_config(arg=None):
     c.rollout = dict(max_steps=6, max_turn_tokens=80, max_response_tokens=400,
                      max_context=1024, wall_timeout_s=300.0, temperature=0.5, top_p=1.0,
                      top_k=-1, test_timeout_s=30.0, env_retries=1, grade_cache=True,
-                     grading=common.GRADING,
+                     grading=common.GRADING, system_prompt=common.SYSTEM_PROMPT,
                      **common.staleness_defaults())
 
     c.algo = "grpo"  # "grpo" (group collection) or "spo" (single stream)

@@ -62,7 +62,7 @@ def get_config(arg=None, options=OPTIONS):
     c.rollout = dict(max_steps=50, max_turn_tokens=4096, max_response_tokens=32768,
                      max_context=40960, wall_timeout_s=3600.0, temperature=1.0, top_p=1.0,
                      top_k=-1, test_timeout_s=600.0, env_retries=2, grade_cache=True,
-                     grading=common.GRADING,
+                     grading=common.GRADING, system_prompt=common.SYSTEM_PROMPT,
                      **common.staleness_defaults())
 
     c.algo = "grpo"

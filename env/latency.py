@@ -30,20 +30,14 @@ def _key(text: str) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class LatencyModel:
-    """Per-tool-call delays; median_s 0 turns the model off.
+class LatencyConfig:
+    """The `env.latency` section, whole (configs.common.latency_defaults documents it):
+    median_s, sigma, slow_share, slow_factor."""
 
-    median_s: median delay of a call of a normal task, seconds.
-    sigma: log-normal spread (the standard deviation of log(delay)).
-    slow_share: probability that a task is slow; slow_factor: its delays' multiplier.
-    seed: the draws' seed (the run's).
-    """
-
-    median_s: float = 0.0
-    sigma: float = 0.0
-    slow_share: float = 0.0
-    slow_factor: float = 1.0
-    seed: int = 0
+    median_s: float
+    sigma: float
+    slow_share: float
+    slow_factor: float
 
     def __post_init__(self):
         if self.median_s < 0 or self.sigma < 0 or self.slow_factor <= 0:
@@ -51,6 +45,21 @@ class LatencyModel:
                              f"{self.median_s}, {self.sigma}, {self.slow_factor}")
         if not 0 <= self.slow_share <= 1:
             raise ValueError(f"latency: slow_share must be in [0, 1], got {self.slow_share}")
+
+
+class LatencyModel:
+    """Per-tool-call delays of a LatencyConfig, drawn from `seed` (the run's); median_s 0
+    turns the model off.
+
+    median_s: median delay of a call of a normal task, seconds.
+    sigma: log-normal spread (the standard deviation of log(delay)).
+    slow_share: probability that a task is slow; slow_factor: its delays' multiplier.
+    """
+
+    def __init__(self, cfg: LatencyConfig, seed: int):
+        self.median_s, self.sigma = cfg.median_s, cfg.sigma
+        self.slow_share, self.slow_factor = cfg.slow_share, cfg.slow_factor
+        self.seed = seed
 
     @property
     def enabled(self) -> bool:
@@ -76,9 +85,3 @@ class LatencyModel:
         if delay > 0:
             time.sleep(delay)
 
-
-def from_config(latency_cfg, seed: int) -> LatencyModel:
-    """The model of the config's `env.latency` section (configs.common.latency_defaults)."""
-    return LatencyModel(median_s=latency_cfg.median_s, sigma=latency_cfg.sigma,
-                        slow_share=latency_cfg.slow_share, slow_factor=latency_cfg.slow_factor,
-                        seed=seed)

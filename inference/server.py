@@ -444,10 +444,9 @@ def engine_from_config(config) -> tuple[Engine, str | None]:
     from inference.embedded import options_from_config
 
     model_cfg = config.model
-    return build_engine(hf_dir=model_cfg.get("hf_path") or None,
-                        preset=model_cfg.get("preset") or None,
-                        seed=int(config.get("seed", 0)), overrides=dict(model_cfg),
-                        **options_from_config(config.get("engine") or {}))
+    return build_engine(hf_dir=model_cfg.hf_path or None, preset=model_cfg.preset or None,
+                        seed=int(config.seed), overrides=dict(model_cfg),
+                        **options_from_config(config.engine))
 
 
 def build_engine(hf_dir: str | None, preset: str | None, seed: int,

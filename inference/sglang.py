@@ -263,7 +263,8 @@ class SGLangClient(Engine):
         self.sync_mode = sync_mode
         self.seeded = bool(seeded)
         self.launchers = list(launchers)
-        self.vocab_size = vocab_size or getattr(model_config, "vocab_size", None)
+        self.vocab_size = vocab_size or (model_config.vocab_size if model_config is not None
+                                         else None)
         self.on_restart = on_restart
         self.version = 0
         self.weights_path: str | None = None
@@ -952,7 +953,7 @@ def from_config(config, workdir: str, model_config=None) -> SGLangClient:
     from models import hf_io  # (as in SGLangClient._export)
 
     sg = config.engine.sglang
-    hf_path = config.model.get("hf_path", "")
+    hf_path = config.model.hf_path
     if model_config is None and hf_path:
         model_config = hf_io.load_config(hf_path)
     if model_config is not None:

@@ -46,7 +46,7 @@ from typing import Any
 from env import episode as episode_lib
 from env.grading import GRADINGS, GradeCache
 from env.latency import LatencyModel
-from env.sandbox import SandboxError, SandboxFactory
+from env.sandbox import SandboxError
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
 from env.tools import TOOL_SCHEMAS
@@ -67,22 +67,18 @@ log = logging.getLogger(__name__)
 # Prefix of `Trajectory.error` for a broken sample of the engine (NaN logits).
 ENGINE_ERROR = "engine: "
 
-SYSTEM_PROMPT = (
-    "You are a programming agent. Fix the issue in the repository by calling tools. "
-    "Call exactly one tool per turn. Call finish when the tests pass.")
-
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """Budgets and sampling parameters of one trajectory.
+    """Budgets and sampling parameters of one trajectory: the `rollout` section, whole
+    (configs/default.py documents its values; no defaults here).
 
     max_steps: tool steps (one assistant turn each), replayed ones included.
     max_turn_tokens: generated tokens in one assistant turn.
     max_response_tokens: generated tokens in the whole trajectory (replayed included).
     max_context: prompt + all turns, in tokens.
     wall_timeout_s: seconds for the whole trajectory, grading excluded.
-    logprobs: the engine computes the sampled tokens' log-probs (False for greedy
-      evaluation, whose turns are never trained on: NaN in their place).
+    system_prompt: the system message of every conversation.
     grade_cache: an episode whose final patch was graded before for the same task
       takes that grade (env.grading.GradeCache); False runs the tests of every episode.
       Fresh grading only (in place, a grade also depends on the sandbox's state).
@@ -93,22 +89,21 @@ class RolloutConfig:
       and what becomes of a group past that bound (read by rl.algos; StreamCollector).
     """
 
-    max_steps: int = 8
-    max_turn_tokens: int = 96
-    max_response_tokens: int = 512
-    max_context: int = 2048
-    wall_timeout_s: float = 300.0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    test_timeout_s: float = 60.0
-    env_retries: int = 1  # env_error rollouts are re-run this many times
-    system_prompt: str = SYSTEM_PROMPT
-    logprobs: bool = True
-    grade_cache: bool = True
-    grading: str = "fresh"
-    max_staleness: int = 0
-    stale: str = "drop"
+    max_steps: int
+    max_turn_tokens: int
+    max_response_tokens: int
+    max_context: int
+    wall_timeout_s: float
+    temperature: float
+    top_p: float
+    top_k: int
+    test_timeout_s: float
+    env_retries: int  # env_error rollouts are re-run this many times
+    system_prompt: str
+    grade_cache: bool
+    grading: str
+    max_staleness: int
+    stale: str
 
     def __post_init__(self):
         if self.grading not in GRADINGS:
@@ -175,28 +170,30 @@ class Activity:
 
 
 class Agent:
-    """Runs trajectories: one Engine, one tokenizer, sandboxes from a factory.
+    """Runs trajectories: one Engine, one tokenizer, sandboxes from a pool.
 
-    `max_concurrent_envs` bounds the number of live sandboxes (episodes) at once.
+    `sandboxes` bounds the number of live sandboxes (episodes) at once, and closes them
+    and its factory (a Docker fleet's probes and containers) on exit, on exceptions and
+    on SIGTERM.
     `latency`: a model of slow tool calls (env.latency), slept before each call.
+    `logprobs`: the engine computes the sampled tokens' log-probs (off for greedy
+    evaluation, whose turns are never trained on: NaN in their place; with_sampling).
     """
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, sandbox_factory: SandboxFactory,
-                 cfg: RolloutConfig, max_concurrent_envs: int = 8, policy_version: int = 0,
-                 tools_in_prompt: bool = True, latency: LatencyModel | None = None):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, sandboxes: SandboxPool,
+                 cfg: RolloutConfig, tools_in_prompt: bool = True,
+                 latency: LatencyModel | None = None):
         self.engine = engine
         self.latency = latency if latency is not None and latency.enabled else None
         self.tokenizer = tokenizer
         self.cfg = cfg
-        self.policy_version = policy_version
+        self.logprobs = True
+        self.policy_version = 0
         # The tool schemas in the system prompt (Qwen3's format); a model trained from
         # scratch on these tasks can do without them and save the context.
         self.tools = TOOL_SCHEMAS if tools_in_prompt else None
-        # Every sandbox comes from the pool: bounded, tracked, and closed on exit, on
-        # exceptions and on SIGTERM; the factory (a Docker fleet's probes and containers)
-        # is closed with it. Sandbox calls run in the pool's threads (they block on
-        # subprocesses).
-        self.pool = SandboxPool(sandbox_factory, max_concurrent_envs)
+        # Sandbox calls run in the pool's threads (they block on subprocesses).
+        self.pool = sandboxes
         self.stop_ids = sorted({tokenizer.special_ids[TOOL_CALL_END], tokenizer.eos_id,
                                 tokenizer.pad_id})
         self.grades = GradeCache()  # shared with the agents of with_sampling
@@ -206,11 +203,12 @@ class Agent:
         """Closes every live sandbox (also done at exit and on SIGTERM)."""
         self.pool.close()
 
-    def with_sampling(self, **sampling) -> Agent:
+    def with_sampling(self, logprobs: bool = True, **sampling) -> Agent:
         """An agent sharing engine, tokenizer and sandbox slots, with other sampling
-        parameters (e.g. temperature=0 for greedy evaluation)."""
+        parameters (e.g. temperature=0 and logprobs=False for greedy evaluation)."""
         other = copy.copy(self)
         other.cfg = dataclasses.replace(self.cfg, **sampling)
+        other.logprobs = logprobs
         return other
 
     async def run(self, job: RolloutJob) -> Trajectory:
@@ -240,7 +238,7 @@ class Agent:
         request = GenerateRequest(
             context, budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
             stop_token_ids=self.stop_ids, seed=request_seed(job.seed, attempt, len(context)),
-            return_logprob=cfg.logprobs)
+            return_logprob=self.logprobs)
         self.activity.start()
         try:
             [result] = await self.engine.generate([request])

@@ -13,7 +13,6 @@ MAX_LINES, MAX_PARAMS = 60, 6
 KNOWN = {
     "inference/embedded.py:EmbeddedEngine.__init__",
     "inference/sglang.py:SGLangClient.__init__",
-    "rl/rollout.py:Agent.__init__",
 }
 
 

@@ -331,7 +331,7 @@ def test_config_files_import_only_ml_collections_and_configs():
 FREE_TEXT = {"advantage", "distributed.coordinator", "engine.sglang.command",
              "engine.sglang.export_dir", "engine.sglang.host", "engine.sglang.python",
              "env.image", "env.image_template", "env.tasks", "model.hf_path",
-             "spo.init_values", "tokenizer.path"}
+             "rollout.system_prompt", "spo.init_values", "tokenizer.path"}
 
 
 def test_every_string_key_has_choices_or_is_free_text():

@@ -375,24 +375,26 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
 
     from configs import common
     from env import miniswe, sandbox
+    from env.sandbox.pool import SandboxPool
     from inference.embedded import EmbeddedEngine
     from models.qwen3 import Qwen3, Qwen3Config
     from models.tokenizer import train_bpe
     from rl import algos, sft
-    from rl.rollout import Agent, RolloutConfig
+    from rl.rollout import Agent
+    from tests.rollout_configs import rollout_config
 
     tasks = miniswe.generate_tasks(3, seed=11, difficulties=(1,))
     tokenizer = train_bpe(sft.tokenizer_corpus(tasks), 600)
     model = Qwen3(Qwen3Config(vocab_size=640, hidden_size=32, intermediate_size=64,
                               num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16),
                   rngs=nnx.Rngs(0))
-    cfg = RolloutConfig(max_steps=4, max_turn_tokens=16, max_response_tokens=1000,
-                        max_context=2048, test_timeout_s=30.0, env_retries=0)
+    cfg = rollout_config(max_steps=4, max_turn_tokens=16, max_response_tokens=1000,
+                         max_context=2048, test_timeout_s=30.0, env_retries=0, temperature=1.0)
     engine = EmbeddedEngine(model, max_batch=8, max_len=2048, seed=0)
     factory = sandbox.from_config(ml_collections.ConfigDict(
         {"backend": "local", "image": "", "local_allow_unisolated": False,
          "local_read_only": ()}))
-    agent = Agent(engine, tokenizer, factory, cfg, max_concurrent_envs=4, tools_in_prompt=False)
+    agent = Agent(engine, tokenizer, SandboxPool(factory, 4), cfg, tools_in_prompt=False)
 
     def algorithm(replay):
         config = ml_collections.ConfigDict(dict(seed=0, batch_tasks=2, group_size=2,

@@ -17,6 +17,7 @@ from flax import nnx
 from configs.common import learner_defaults
 from env import episode as episode_lib
 from env import miniswe, sandbox
+from env.sandbox.pool import SandboxPool
 from inference.embedded import EmbeddedEngine
 from inference.engine import Engine
 from models.qwen3 import Qwen3, Qwen3Config
@@ -24,7 +25,8 @@ from models.tokenizer import render_chat, train_bpe
 from rl import prefix, sft
 from rl.learner import init_train_state, make_train_step
 from rl.metrics import rollout_metrics
-from rl.rollout import Agent, RolloutConfig, RolloutJob, StreamCollector, collect_groups
+from rl.rollout import Agent, RolloutJob, StreamCollector, collect_groups
+from tests.rollout_configs import rollout_config
 
 TASKS = miniswe.generate_tasks(6, seed=7, difficulties=(0, 1))
 
@@ -69,11 +71,12 @@ def factory():
 
 
 def make_agent(model, tokenizer, factory, **cfg):
-    cfg = RolloutConfig(**{"max_steps": 3, "max_turn_tokens": 24, "max_response_tokens": 200,
-                           "max_context": 1024, "test_timeout_s": 30.0, **cfg})
+    cfg = rollout_config(**{"max_steps": 3, "max_turn_tokens": 24, "max_response_tokens": 200,
+                            "max_context": 1024, "test_timeout_s": 30.0, "temperature": 1.0,
+                            **cfg})
     engine = RecordingEngine(EmbeddedEngine(model, max_batch=16, max_len=cfg.max_context,
                                             seed=0))
-    return Agent(engine, tokenizer, factory, cfg, max_concurrent_envs=4, tools_in_prompt=False)
+    return Agent(engine, tokenizer, SandboxPool(factory, 4), cfg, tools_in_prompt=False)
 
 
 def conversation(traj, tokenizer, system):
@@ -306,13 +309,12 @@ def test_an_episode_goes_on_across_a_weight_update_each_turn_with_its_version(
     against a whole-sequence forward of each parameter set)."""
     graphdef, old = nnx.split(model, nnx.Param)
     new = jax.tree.map(lambda x: x * 1.5, old)
-    cfg = RolloutConfig(max_steps=3, max_turn_tokens=24, max_response_tokens=200,
-                        max_context=1024, test_timeout_s=30.0)
+    cfg = rollout_config(max_steps=3, max_turn_tokens=24, max_response_tokens=200,
+                         max_context=1024, test_timeout_s=30.0, temperature=1.0)
     box = []
     engine = SyncAfterFirstTurn(EmbeddedEngine(model, max_batch=4, max_len=1024, seed=0),
                                 box, new)
-    agent = Agent(engine, tokenizer, factory, cfg, max_concurrent_envs=1,
-                  tools_in_prompt=False)
+    agent = Agent(engine, tokenizer, SandboxPool(factory, 1), cfg, tools_in_prompt=False)
     box.append(agent)
     try:
         traj = asyncio.run(agent.run(RolloutJob(TASKS[1], seed=3)))
@@ -425,4 +427,4 @@ def test_rollouts_grade_the_patch_in_a_fresh_sandbox(model, tokenizer, factory):
         agent.close()
     assert rewards == {"fresh": 0.0, "in_place": 1.0}
     with pytest.raises(ValueError, match="rollout.grading"):
-        RolloutConfig(grading="fresh-ish")
+        rollout_config(grading="fresh-ish")

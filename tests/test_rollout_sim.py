@@ -11,8 +11,10 @@ import numpy as np
 import pytest
 
 from bench import rollout_sim as sim
+from env.sandbox.pool import SandboxPool
 from models.tokenizer import TOOL_CALL_END
-from rl.rollout import Agent, RolloutConfig, RolloutJob
+from rl.rollout import Agent, RolloutJob
+from tests.rollout_configs import rollout_config
 
 FIXED = sim.LongTailModel(turns_sigma=0.0, tokens_sigma=0.0, tool_sigma=0.0)
 # D = 10 turns * 300 tokens * 0.02 s + 9 tool calls * 2 s = 60 + 18 = 78 simulated s.
@@ -71,9 +73,10 @@ def test_group_and_stream_draw_the_same_plans_for_the_same_jobs(tokenizer):
 def test_fixed_model_times_one_trajectory_as_computed(tokenizer):
     scale = 0.01
     engine = sim.SimEngine(tokenizer, FIXED, scale, seed=0)
-    agent = Agent(engine, tokenizer, sim.sandbox_factory(FIXED, scale, seed=0),
-                  RolloutConfig(max_steps=50, max_turn_tokens=128, max_response_tokens=4096,
-                                max_context=8192), tools_in_prompt=False)
+    agent = Agent(engine, tokenizer, SandboxPool(sim.sandbox_factory(FIXED, scale, seed=0), 8),
+                  rollout_config(max_steps=50, max_turn_tokens=128, max_response_tokens=4096,
+                                 max_context=8192, temperature=1.0, test_timeout_s=60.0),
+                  tools_in_prompt=False)
 
     async def one():
         return await agent.run(RolloutJob(sim.task(0), seed=3))

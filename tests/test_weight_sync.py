@@ -108,15 +108,17 @@ def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path, mode)
     from its tokens so far)."""
     from env import miniswe
     from env.sandbox import SandboxFactory
+    from env.sandbox.pool import SandboxPool
     from rl import sft
-    from rl.rollout import Agent, RolloutConfig, RolloutJob, collect_groups
+    from rl.rollout import Agent, RolloutJob, collect_groups
+    from tests.rollout_configs import rollout_config
 
     weights = tmp_path / "w1"
     weights.mkdir()
     tasks = miniswe.generate_tasks(1, seed=3, difficulties=(0,))
     tokenizer = train_bpe(sft.tokenizer_corpus(tasks), 400)
-    cfg = RolloutConfig(max_steps=2, max_turn_tokens=8, max_response_tokens=100,
-                        max_context=4096, test_timeout_s=30.0)
+    cfg = rollout_config(max_steps=2, max_turn_tokens=8, max_response_tokens=100,
+                         max_context=4096, test_timeout_s=30.0, temperature=1.0)
 
     async def body(stubs):
         urls = [s.url for s in stubs]
@@ -128,8 +130,8 @@ def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path, mode)
         await updater.update_weights(str(weights))
         (after,) = await follower.generate([GenerateRequest([3, 4], 5)])
         (spanned,) = await spanning
-        agent = Agent(follower, tokenizer, SandboxFactory("local"), cfg,
-                      max_concurrent_envs=1, tools_in_prompt=False)
+        agent = Agent(follower, tokenizer, SandboxPool(SandboxFactory("local"), 1), cfg,
+                      tools_in_prompt=False)
         try:
             (group,) = await collect_groups(agent, [RolloutJob(tasks[0])], 1)
         finally:
@@ -339,19 +341,20 @@ def test_context_overflow_truncates_the_trajectory_and_the_run_goes_on():
     overflow ends its trajectory "truncated"; the other rollouts are unaffected."""
     from env import miniswe
     from env.sandbox import SandboxFactory
+    from env.sandbox.pool import SandboxPool
     from rl import sft
-    from rl.rollout import Agent, RolloutConfig, RolloutJob, collect_groups
+    from rl.rollout import Agent, RolloutJob, collect_groups
+    from tests.rollout_configs import rollout_config
 
     tasks = miniswe.generate_tasks(2, seed=7, difficulties=(0,))
     tokenizer = train_bpe(sft.tokenizer_corpus(tasks), 400)
     factory = SandboxFactory("local")
-    cfg = RolloutConfig(max_steps=3, max_turn_tokens=16, max_response_tokens=200,
-                        max_context=4096, test_timeout_s=30.0)
+    cfg = rollout_config(max_steps=3, max_turn_tokens=16, max_response_tokens=200,
+                         max_context=4096, test_timeout_s=30.0, temperature=1.0)
 
     async def body(stubs):
         client = sglang.SGLangClient([stubs[0].url])
-        agent = Agent(client, tokenizer, factory, cfg, max_concurrent_envs=2,
-                      tools_in_prompt=False)
+        agent = Agent(client, tokenizer, SandboxPool(factory, 2), cfg, tools_in_prompt=False)
         try:
             groups = await collect_groups(agent, [RolloutJob(t) for t in tasks], 1)
         finally:
