@@ -1,7 +1,7 @@
 """A plain-Python port of the SPO tracker logic of the official trainer
 (verl-recipe, recipe/spo/spo_ray_trainer.py: the offline values, `fit`'s per-step
 advantage and alpha/beta update, `_get_spo_rho`), written from reading it, for
-differential tests of rl.spo and rl.algos.spo.
+differential tests of rl.tracker and rl.algos.spo.
 
 What it keeps of the official data flow, step by step:
 - prompts start from offline values: with offline_N = 0 at Beta(0.5, 0.5), else
