@@ -428,6 +428,10 @@ def select(jobs: list[Job], only: str) -> list[Job]:
     return [job for job in jobs if not prefixes or job.name.startswith(prefixes)]
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _stop_group(proc: subprocess.Popen) -> None:
     """SIGINT to the job's process group (Python runs its finally blocks: servers are
     closed), SIGKILL to whatever is left 15 s later."""
@@ -446,9 +450,13 @@ def run_job(job: Job, work: str, timeout_s: float) -> tuple[dict, str]:
     argv = [sys.executable, "-m", *(a.replace("{json}", path) for a in job.argv)]
     start = time.perf_counter()
     with open(output_path, "w") as output:
+        # SIGINT back to its default in the job: started from a shell's background job
+        # (`nohup ... &`), this process inherits SIGINT ignored, and a Python that starts
+        # with it ignored installs no KeyboardInterrupt handler (_stop_group's SIGINT).
         proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **dict(job.env)},
                                 stdout=output, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_default_sigint)
         try:
             code = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:

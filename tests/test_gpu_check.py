@@ -4,6 +4,7 @@ recorded while the others run; the helpers against hand-computed values."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -219,3 +220,15 @@ def test_summary_goals_and_failures_from_job_results():
     assert gpu_check.failed({"summary": summary, "jobs": results}) == [
         "sync/qwen3-1.7b", "step/qwen3-0.6b/xla", "a", "b"]
     assert set(gpu_check.summarize({})["goals"].values()) == {None}
+
+
+def test_a_job_started_with_sigint_ignored_still_stops_soon_after_its_timeout(tmp_path):
+    """Started from a shell's background job, the checker inherits SIGINT ignored; its
+    jobs still get SIGINT as a KeyboardInterrupt, not only the SIGKILL 15 s later."""
+    job = Job("hangs", ("timeit", "-n", "1", "-r", "1", "import time; time.sleep(60)"), 2)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        result, _ = gpu_check.run_job(job, str(tmp_path), 2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert result["error"] == "timed out after 2 s" and result["seconds"] < 10
