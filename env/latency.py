@@ -57,18 +57,16 @@ class LatencyModel:
     """
 
     def __init__(self, cfg: LatencyConfig, seed: int):
-        self.median_s, self.sigma = cfg.median_s, cfg.sigma
-        self.slow_share, self.slow_factor = cfg.slow_share, cfg.slow_factor
-        self.seed = seed
+        self.cfg, self.seed = cfg, seed
 
     @property
     def enabled(self) -> bool:
-        return self.median_s > 0
+        return self.cfg.median_s > 0
 
     def is_slow(self, task_id: str) -> bool:
         """Whether every call of `task_id` is slow (drawn from seed and task alone)."""
         u = np.random.default_rng([self.seed, _key(task_id), 0]).random()
-        return bool(u < self.slow_share)
+        return bool(u < self.cfg.slow_share)
 
     def delay_s(self, task_id: str, rollout: int, call: int) -> float:
         """Seconds before tool call `call` (0-based) of rollout `rollout` of `task_id`."""
@@ -76,8 +74,8 @@ class LatencyModel:
             return 0.0
         z = np.random.default_rng([self.seed, _key(task_id), 1, rollout % 2**63, call]
                                   ).standard_normal()
-        factor = self.slow_factor if self.is_slow(task_id) else 1.0
-        return self.median_s * math.exp(self.sigma * z) * factor
+        factor = self.cfg.slow_factor if self.is_slow(task_id) else 1.0
+        return self.cfg.median_s * math.exp(self.cfg.sigma * z) * factor
 
     def sleep(self, task_id: str, rollout: int, call: int) -> None:
         """Waits `delay_s(task_id, rollout, call)`."""
