@@ -106,6 +106,9 @@ def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = ()
     timeout_s: stop the run after that many seconds (see _train)."""
     workdir = os.path.join(root, f"seed{seed}", arm)
     record = _record(workdir)
+    if record is not None and list(record.get("sets", sets)) != list(sets):
+        raise ValueError(f"{workdir} was run with --set {record['sets']}, not {list(sets)}: "
+                         "give this run another name or remove the directory")
     if record is not None and record.get("steps") == steps:
         return workdir
     sft = warm_start(root, seed, sets, warm)

@@ -263,11 +263,13 @@ def arm_sets(arm: str, extra: Sequence[str] = (), ps_ratio: float | None = None)
     return sets
 
 
-def timing_and_slope(root: str, seed: int, sets: Sequence[str], ps_ratio: float | None,
-                     arms: Sequence[str] = tuple(ARMS), slope_steps: int | None = None) -> dict:
+def timing_and_slope(root: str, seed: int, name: str, sets: Sequence[str],
+                     ps_ratio: float | None, arms: Sequence[str] = tuple(ARMS),
+                     slope_steps: int | None = None) -> dict:
     """3 steps of every arm and 12 GRPO steps (slope_steps), each from the seed's warm
-    start; mean seconds per step (time/step_s) and the slope of the GRPO run's fresh
-    pass rate."""
+    start, in runs named `{name}_{arm}` (tries sharing a warm start keep their own);
+    mean seconds per step (time/step_s) and the slope of the GRPO run's fresh pass
+    rate."""
     slope_steps = slope_steps or GATE["slope_steps"]
     # No held-out evals on the clock; SPO's offline start on a 64-prompt pool (the arms
     # run it on every training prompt: its start_s is scaled there).
@@ -275,12 +277,12 @@ def timing_and_slope(root: str, seed: int, sets: Sequence[str], ps_ratio: float 
     out: dict = {"step_s": {}, "load": {}}
     for arm in arms:
         steps = slope_steps if arm == "grpo" else GATE["timing_steps"]
-        name = f"gate_{arm}"
+        run = f"{name}_{arm}"
         out["load"][arm] = load_note()
         pool = ["spo.pool_size=64"] if arm.startswith("spo") else []
-        workdir = ex.run_arm(root, name, seed, steps, [*sets, *quiet,
-                                                      *arm_sets(arm, pool, ps_ratio)],
-                             arms={name: ARMS[arm]}, warm=WARM)
+        workdir = ex.run_arm(root, run, seed, steps, [*sets, *quiet,
+                                                     *arm_sets(arm, pool, ps_ratio)],
+                             arms={run: ARMS[arm]}, warm=WARM)
         rows = ex.read_metrics(workdir)
         step_s = ex.rl_curve(rows, "time/step_s")[1][:GATE["timing_steps"]]
         start = ex.curve(rows, "time/start_s")[1]
@@ -328,7 +330,7 @@ def gate(root: str, seed: int, name: str, sets: Sequence[str], note: str, out: s
     result["runs"] = {"pending": run}
     record_try(root, out, {**result, "wall_s": time.time() - t0})
     if run:
-        result["runs"] = timing_and_slope(base, seed, sets,
+        result["runs"] = timing_and_slope(base, seed, name, sets,
                                           result["prefix"].get("ps_remaining_ratio"), arms,
                                           slope_steps)
     result["gate_pass"] = bool(warm_ok and result["runs"].get("slope_pass", False))

@@ -118,3 +118,16 @@ def test_spo_vs_grpo_from_runs(tmp_path):
     assert spo["wall_s"] == [0.0, 10.0, 20.0, 30.0]
     assert result["summary"]["spo"]["eval_final_mean"] == 0.5
     assert result["summary"]["step_time_ratio_grpo_over_spo"] == pytest.approx(2.0)
+
+
+def test_run_arm_refuses_a_finished_run_made_with_other_settings(tmp_path):
+    _write_run(tmp_path, 0, "grpo", [0.1, 0.2], [0.5, 0.5], 1.0)
+    record = os.path.join(tmp_path, "seed0", "grpo", "run.json")
+    with open(record) as f:
+        run = json.load(f)
+    with open(record, "w") as f:
+        json.dump({**run, "sets": ["learner.optim.lr=5e-5"]}, f)
+    with pytest.raises(ValueError, match="was run with"):
+        ex.run_arm(str(tmp_path), "grpo", 0, 2, ["learner.optim.lr=2e-4"])
+    # The same settings: a finished run is read back, nothing is trained.
+    assert ex.run_arm(str(tmp_path), "grpo", 0, 2, ["learner.optim.lr=5e-5"]).endswith("grpo")
