@@ -37,7 +37,6 @@ from env import sandbox as sandboxes_lib
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
 from inference import build as engines
-from inference import sglang
 from models import loading, sharding
 from rl import algos, distributed, learner, loss, sft
 from rl.batch import pack_trajectories
@@ -107,7 +106,7 @@ def main(argv=None) -> None:
     config = common.load_config(args.config)
     config = common.apply_overrides(config, common.parse_overrides(args.set))
     # Launched SGLang servers own their GPUs; the learner's JAX devices are the rest.
-    sglang.restrict_learner_devices(config)
+    engines.restrict_learner_devices(config)
     distributed.initialize(config.distributed)  # before anything touches a device
     check_config(config)
     distributed.check_supported(config)
@@ -140,8 +139,7 @@ def dry_run(config) -> dict[str, Any]:
     check_config(config)
     cfg = loading.model_config(config.model, config.tokenizer.bpe_vocab_size,
                                dry_run=True)
-    if config.engine.kind == "sglang":
-        sglang.check_context(config, cfg)  # before the slow part: refused up front
+    engines.check_context(config, cfg)  # before the slow part: refused up front
     _, state = learner.abstract_train_state(loading.abstract_model(cfg), config.learner)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     opt_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
@@ -154,8 +152,8 @@ def dry_run(config) -> dict[str, Any]:
                "group_size": config.group_size, "prefix_sampling": bool(config.ps.enabled),
                "engine": config.engine.kind, "env_backend": config.env.backend}
     if config.engine.kind == "sglang":
-        summary["placement"] = sglang.placement(config)
-        summary["sglang_commands"] = [" ".join(c) for c in sglang.launch_commands(config)]
+        summary["placement"] = engines.placement(config)
+        summary["sglang_commands"] = [" ".join(c) for c in engines.launch_commands(config)]
     images = splits.task_images(config.env)
     if images:
         summary["task_images"] = images

@@ -43,9 +43,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.embedded import EmbeddedEngine
+from inference.embedded import EmbeddedEngine, EmbeddedOptions
 from inference.engine import GenerateRequest
 from models import hf_io, qwen3
+
+
+def options(max_batch: int, max_len: int) -> EmbeddedOptions:
+    """The engine measured here: `max_batch` rows of `max_len`, the smallest buckets (one
+    row, 16 tokens, any window) and no prefix cache, so every batch size compiles its
+    own shapes."""
+    return EmbeddedOptions(max_batch=max_batch, max_len=max_len, min_batch=1, min_len=16,
+                           min_cache_len=1, prefix_cache_tokens=0, chunk_steps=32,
+                           min_chunk_steps=0)
 
 
 def _log(*args):
@@ -211,8 +220,8 @@ def main(argv=None) -> dict:
     model = _model(args)
     cfg = model.cfg
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    engine = EmbeddedEngine(model, max_batch=max(batch_sizes),
-                            max_len=args.prompt_len + args.new_tokens, seed=args.seed)
+    engine = EmbeddedEngine(model, options(max(batch_sizes), args.prompt_len + args.new_tokens),
+                            seed=args.seed)
     with tempfile.TemporaryDirectory() as hf_dir:
         hf_io.save_hf(model, cfg, hf_dir)
         with HFGenerate(hf_dir) as hf:

@@ -49,7 +49,7 @@ from bench.env import old_local_factory
 from configs.common import load_config
 from env import sandbox, splits
 from env.sandbox.pool import SandboxPool
-from inference.embedded import EmbeddedEngine, options_from_config
+from inference.embedded import EmbeddedEngine, EmbeddedOptions
 from models import loading, sharding
 from rl import learner, sft
 from rl.checkpoint import Checkpointer
@@ -91,6 +91,22 @@ def old_engine_class(old: str, root: str):
     sys.path.insert(0, root)
     return (importlib.import_module("engine_old.embedded").EmbeddedEngine,
             importlib.import_module("engine_old.qwen3"))
+
+
+def old_engine(cls, weights, options: EmbeddedOptions, seed: int):
+    """`cls`, an older EmbeddedEngine, with the options it knows: its module's
+    EmbeddedOptions, or keywords from before there was one (min_chunk_steps None then
+    meant chunk_steps // 4, what 0 means now)."""
+    module = sys.modules[cls.__module__]
+    given = dataclasses.asdict(options)
+    if hasattr(module, "EmbeddedOptions"):
+        known = {f.name for f in dataclasses.fields(module.EmbeddedOptions)}
+        return cls(weights, module.EmbeddedOptions(**{k: v for k, v in given.items()
+                                                      if k in known}), seed=seed)
+    kwargs = {k: v for k, v in given.items() if k in cls.__init__.__code__.co_varnames}
+    if kwargs.get("min_chunk_steps") == 0:
+        kwargs["min_chunk_steps"] = None
+    return cls(weights, seed=seed, **kwargs)
 
 
 def old_model_weights(model, old_qwen3):
@@ -151,12 +167,12 @@ async def run(args) -> dict:
     if args.ckpt:
         restore_params(model, config, mesh, args.ckpt)
     weights = nnx.split(model, nnx.Param)
-    options = {**options_from_config(config.engine),
-               **{k: int(v) for k, v in (o.split("=") for o in args.option)}}
+    options = dataclasses.replace(EmbeddedOptions.from_section(config.engine),
+                                  **{k: int(v) for k, v in (o.split("=") for o in args.option)})
     old_cls, old_qwen3 = old_engine_class(args.old, workdir)
-    old_options = {k: v for k, v in options.items() if k in old_cls.__init__.__code__.co_varnames}
-    engines = {"old": old_cls(old_model_weights(model, old_qwen3), seed=args.seed, **old_options),
-               "new": EmbeddedEngine(weights, seed=args.seed, **options)}
+    engines = {"old": old_engine(old_cls, old_model_weights(model, old_qwen3), options,
+                                 args.seed),
+               "new": EmbeddedEngine(weights, options, seed=args.seed)}
     factory = sandbox.from_config(config.env)
     old_sandbox = args.old_sandbox or ("new" if os.path.isdir(args.old) else args.old)
     factories = {"old": factory if old_sandbox == "new" else old_local_factory(

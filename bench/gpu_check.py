@@ -71,7 +71,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench.engine import HFGenerate
+from bench.engine import HFGenerate, options
 from bench.learner import model_flops
 from configs import common
 from inference.embedded import EmbeddedEngine
@@ -321,7 +321,7 @@ def hf_generate(model, cfg, prompts: np.ndarray, sizes, new_tokens: int, repeats
 def embedded_generate(model, prompts: np.ndarray, sizes, new_tokens: int, repeats: int
                       ) -> dict:
     """The embedded engine, one caller's event loop, the same requests per batch size."""
-    engine = EmbeddedEngine(model, max_batch=max(sizes), max_len=prompts.shape[1] + new_tokens)
+    engine = EmbeddedEngine(model, options(max(sizes), prompts.shape[1] + new_tokens), seed=0)
     loop = asyncio.new_event_loop()
     out = {}
     try:

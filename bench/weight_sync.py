@@ -60,6 +60,7 @@ async def measure(args) -> dict:
     import jax
     from flax import nnx
 
+    from configs import common
     from inference import sglang
     from models import hf_io, qwen3
 
@@ -84,8 +85,10 @@ async def measure(args) -> dict:
     _log(f"server healthy in {time.perf_counter() - t0:.0f} s (log {launcher.log_path})")
     try:  # the server and the exported files go whatever fails
         info = sglang.server_info(launcher.url)
-        client = sglang.SGLangClient([launcher.url], model_config=cfg, export_dtype=args.dtype,
-                                     export_dir=os.path.join(workdir, "exports"),
+        client_cfg = sglang.SGLangConfig(**{**common.sglang_defaults(),
+                                            "export_dtype": args.dtype,
+                                            "export_dir": os.path.join(workdir, "exports")})
+        client = sglang.SGLangClient([launcher.url], client_cfg, model_config=cfg,
                                      launchers=[launcher])
         try:
             updates, outputs = await _updates(client, params, args.updates)

@@ -179,6 +179,32 @@ def latency_defaults() -> dict[str, Any]:
     return dict(median_s=0.0, sigma=1.0, slow_share=0.0, slow_factor=6.0)
 
 
+def engine_defaults() -> ConfigDict:
+    """The `engine` section: which sampler serves rollouts, and the embedded one's shape
+    (inference.embedded.EmbeddedOptions; the `sglang` subsection is the other kind's).
+
+    kind: "embedded" (the JAX sampler in this process, on the learner's weights) or
+      "sglang" (a client of SGLang-protocol servers: engine.sglang).
+    max_batch: most requests generating at once (more wait for a free slot); 0 with
+      "sglang": no cap of the client's own.
+    max_len: longest prompt + max_new_tokens; the length of a slot.
+    min_batch, min_len: smallest row-count / prompt-length buckets (fewer shapes to
+      compile).
+    min_cache_len: smallest attention window (fewer shapes to compile, more positions
+      read per decode step).
+    prefix_cache_tokens: positions of keys/values kept parked for prompt reuse (0: no
+      cache); the pool has room for them in whole slots beside the max_batch working ones.
+    chunk_steps: most decode steps per device call; requests that arrive meanwhile wait
+      at most this many steps (a finished row ends the call sooner).
+    min_chunk_steps: fewest decode steps per call unless every row finished (0:
+      chunk_steps // 4): when turns are short, rows finish nearly every step, and a call
+      per finished row would spend more on reading the rows' caches than on the steps.
+    """
+    return ConfigDict(dict(kind="embedded", max_batch=64, max_len=1024, min_batch=8,
+                           min_len=64, min_cache_len=256, prefix_cache_tokens=262_144,
+                           chunk_steps=32, min_chunk_steps=0, sglang=sglang_defaults()))
+
+
 def sglang_defaults() -> dict[str, Any]:
     """The `engine.sglang` section: client of running servers, or servers to launch.
 
@@ -190,6 +216,9 @@ def sglang_defaults() -> dict[str, Any]:
     command / python / env / extra_args: the launch command template (default
       `{python} -m sglang.launch_server ...`), its interpreter (default this one),
       "KEY=VALUE" environment entries and extra flags.
+    timeout_s / max_retries / backoff_s / down_s: seconds for one HTTP call (a whole
+      generation), extra attempts after the first, seconds before the first retry
+      (doubling each retry), and how long a failing server is skipped.
     context_length: SGLang --context-length; 0 takes rollout.max_context.
     deterministic: launch with --enable-deterministic-inference and send request seeds
       (servers must be SGLang >= 0.5.3 with that flag); False samples unseeded.
@@ -206,6 +235,7 @@ def sglang_defaults() -> dict[str, Any]:
     """
     return dict(urls=(), launch=False, ports=(30000,), host="127.0.0.1", tp_size=1,
                 mem_fraction_static=0.85, extra_args=(), timeout_s=600.0, max_retries=5,
+                backoff_s=0.5, down_s=30.0,
                 export_dir="", health_timeout_s=900.0, host_gpus=8, command="", python="",
                 env=(), context_length=0, deterministic=True, sync_mode="pause",
                 on_restart="reload", export_dtype="bfloat16", export_keep=1)
@@ -349,6 +379,8 @@ RANGES: dict[str, str] = {
     "engine.max_batch": "[0, inf)", "engine.max_len": "[1, inf)",
     "engine.prefix_cache_tokens": "[0, inf)", "engine.min_batch": "[1, inf)",
     "engine.min_len": "[1, inf)", "engine.min_cache_len": "[1, inf)",
+    "engine.chunk_steps": "[1, inf)", "engine.min_chunk_steps": "[0, inf)",
+    "engine.sglang.backoff_s": "[0, inf)", "engine.sglang.down_s": "[0, inf)",
     "engine.sglang.ports": "[1, 65535]", "engine.sglang.tp_size": "[1, inf)",
     "engine.sglang.mem_fraction_static": "(0, 1]", "engine.sglang.timeout_s": "(0, inf)",
     "engine.sglang.max_retries": "[0, inf)", "engine.sglang.health_timeout_s": "(0, inf)",

@@ -51,14 +51,13 @@ def get_config(arg=None):
     c.mesh = dict(data=1, fsdp=1, tensor=1)
     c.distributed = common.distributed_defaults()  # one process per host: rl.distributed
 
-    # The prefix cache keeps each conversation's keys/values between turns (~1 KB per
-    # position for this model), so a turn prefills only the new observation. Batch and
-    # length buckets start at 8 rows / 64 tokens / a 256-slot cache window (windows grow
-    # in steps of 256: a decode step reads its whole window, and most contexts here are
-    # 130-650 tokens); compiled shapes are kept across runs (--compilation_cache).
-    c.engine = dict(kind="embedded", max_batch=64, max_len=1024, prefix_cache_tokens=262_144,
-                    min_batch=8, min_len=64, min_cache_len=256,
-                    sglang=common.sglang_defaults())
+    # The embedded engine's defaults are this model's: the prefix cache keeps each
+    # conversation's keys/values between turns (~1 KB per position), so a turn prefills
+    # only the new observation. Batch and length buckets start at 8 rows / 64 tokens / a
+    # 256-slot cache window (windows grow in steps of 256: a decode step reads its whole
+    # window, and most contexts here are 130-650 tokens); compiled shapes are kept across
+    # runs (--compilation_cache).
+    c.engine = common.engine_defaults()
 
     c.env = dict(backend="local", tasks="miniswe", train_tasks=512, eval_tasks=48,
                  difficulties=(0, 1), task_seed=1234, eval_seed=4321, image="", image_template="",

@@ -44,10 +44,10 @@ def get_config(arg=None, options=OPTIONS):
 
     # Launched beside the learner on one 8-GPU host: the servers take the last
     # servers x tp GPUs, the learner the rest (README: placement).
-    sglang = common.sglang_defaults()
-    sglang.update(launch=True, ports=tuple(30000 + i for i in range(arg.servers)),
-                  tp_size=arg.tp, extra_args=("--dtype", "bfloat16"))
-    c.engine = dict(kind="sglang", max_batch=0, max_len=40960, sglang=sglang)
+    c.engine = common.engine_defaults()
+    c.engine.update(kind="sglang", max_batch=0, max_len=40960)
+    c.engine.sglang.update(launch=True, ports=tuple(30000 + i for i in range(arg.servers)),
+                           tp_size=arg.tp, extra_args=("--dtype", "bfloat16"))
 
     c.env = dict(backend="docker", tasks=f"{arg.train}|{arg.eval}", train_tasks=0,
                  eval_tasks=500, difficulties=(), task_seed=0, eval_seed=0, image="",

@@ -1,15 +1,24 @@
 """The `engine` config section's owner: the embedded JAX sampler, or a client of SGLang
-servers (launched if the section asks)."""
+servers (launched if the section asks), and where the learner's GPUs are."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from inference import sglang
-from inference.embedded import EmbeddedEngine, options_from_config
+from inference.embedded import EmbeddedEngine, EmbeddedOptions
 from inference.engine import Engine
 from models.qwen3 import Qwen3Config
+
+KINDS = ("embedded", "sglang")
+
+
+def _sglang(config) -> sglang.SGLangConfig | None:
+    """The section's SGLangConfig when the run's engine is SGLang."""
+    return sglang.SGLangConfig(**config.engine.sglang) if config.engine.kind == "sglang" \
+        else None
 
 
 def from_config(config, weights: Callable[[], Any], workdir: str,
@@ -19,7 +28,43 @@ def from_config(config, weights: Callable[[], Any], workdir: str,
     own); model_config: the served model's."""
     kind = config.engine.kind
     if kind == "embedded":
-        return EmbeddedEngine(weights(), seed=config.seed, **options_from_config(config.engine))
+        return EmbeddedEngine(weights(), EmbeddedOptions.from_section(config.engine),
+                              seed=config.seed)
     if kind == "sglang":
-        return sglang.from_config(config, workdir, model_config=model_config)
-    raise ValueError(f"engine.kind must be 'embedded' or 'sglang', got {kind!r}")
+        served = sglang.Served(hf_path=config.model.hf_path, model_config=model_config,
+                               max_context=int(config.rollout.max_context),
+                               seed=int(config.seed))
+        return sglang.connect(_sglang(config), served, workdir)
+    raise ValueError(f"engine.kind must be one of {KINDS}, got {kind!r}")
+
+
+def placement(config) -> dict[str, Any]:
+    """Which of the host's GPUs launched servers and the learner use
+    (inference.sglang.placement; with the embedded engine the learner has them all)."""
+    sg = _sglang(config)
+    if sg is None:
+        total = int(config.engine.sglang.host_gpus)
+        return {"host_gpus": total, "learner_gpus": list(range(total)), "servers": []}
+    return sglang.placement(sg)
+
+
+def restrict_learner_devices(config) -> list[int]:
+    """Before JAX starts its backend: the learner's GPU ids, this process's JAX devices
+    limited to them when it launches servers beside itself."""
+    sg = _sglang(config)
+    return placement(config)["learner_gpus"] if sg is None else \
+        sglang.restrict_learner_devices(sg)
+
+
+def launch_commands(config, workdir: str = "WORKDIR") -> list[list[str]]:
+    """The server command lines `from_config` would run (SGLang engine), each prefixed
+    with its environment; the model is `model.hf_path` or the export of a model trained
+    from scratch under workdir."""
+    model_path = config.model.hf_path or os.path.join(workdir, "sglang_weights", "init")
+    return sglang.launch_commands(_sglang(config), model_path, int(config.rollout.max_context))
+
+
+def check_context(config, model_config: Qwen3Config) -> None:
+    """An SGLang run's rollout.max_context fits the served model (refused up front)."""
+    if config.engine.kind == "sglang":
+        sglang.check_context(int(config.rollout.max_context), model_config)

@@ -392,38 +392,35 @@ def _split(model) -> tuple[Any, Any]:
 
 
 # Constructor options a config's `engine` section may set (absent ones keep the defaults).
-CONFIG_OPTIONS = ("max_batch", "max_len", "min_batch", "min_len", "min_cache_len",
-                  "prefix_cache_tokens", "chunk_steps", "min_chunk_steps")
+@dataclasses.dataclass(frozen=True)
+class EmbeddedOptions:
+    """The embedded engine's shape: the `engine` section's keys less `kind` and `sglang`
+    (documented with their defaults in configs.common.engine_defaults)."""
 
+    max_batch: int
+    max_len: int
+    min_batch: int
+    min_len: int
+    min_cache_len: int
+    prefix_cache_tokens: int
+    chunk_steps: int
+    min_chunk_steps: int
 
-def options_from_config(engine_cfg) -> dict[str, int]:
-    """EmbeddedEngine keyword options from a config's `engine` section."""
-    return {k: int(engine_cfg[k]) for k in CONFIG_OPTIONS if k in engine_cfg}
+    @classmethod
+    def from_section(cls, engine) -> EmbeddedOptions:
+        """From a config's `engine` section (its other keys are the SGLang engine's)."""
+        return cls(**{f.name: int(engine[f.name]) for f in dataclasses.fields(cls)})
 
 
 class EmbeddedEngine(Engine):
     """Serves a Qwen3 model in this process.
 
     model: an nnx `Qwen3`, or its `(graphdef, params)` from `nnx.split(model, nnx.Param)`.
-    max_batch: most requests generating at once (more wait for a free slot).
-    max_len: longest prompt + max_new_tokens; the length of a slot.
-    min_batch, min_len: smallest row-count / prompt-length buckets (fewer shapes to compile).
-    min_cache_len: smallest attention window (fewer shapes to compile, more positions read).
+    options: batch, length and cache shape (EmbeddedOptions).
     seed: draws the seeds of requests that come without one.
-    prefix_cache_tokens: positions of keys/values kept parked for prompt reuse (0: no
-      cache); the pool has room for them in whole slots beside the `max_batch` working ones.
-    chunk_steps: most decode steps per device call; requests that arrive meanwhile wait
-      at most this many steps (a finished row ends the call sooner).
-    min_chunk_steps: fewest decode steps per call unless every row finished (default
-      chunk_steps // 4): when turns are short, rows finish nearly every step, and a call
-      per finished row would spend more on reading the rows' caches and on the host than
-      on the steps; a finished row's result waits at most this many steps.
     """
 
-    def __init__(self, model, *, max_batch: int = 32, max_len: int = 2048, min_batch: int = 1,
-                 min_len: int = 16, seed: int = 0, prefix_cache_tokens: int = 0,
-                 min_cache_len: int = 1, chunk_steps: int = 32,
-                 min_chunk_steps: int | None = None):
+    def __init__(self, model, options: EmbeddedOptions, *, seed: int):
         self.graphdef, self.params = _split(model)
         # Jitted per engine with the graph bound: as a static argument it was hashed
         # on every call.
@@ -437,18 +434,19 @@ class EmbeddedEngine(Engine):
                                 donate_argnums=(0, 1))
         self.cfg = nnx.merge(self.graphdef, self.params).cfg
         self.vocab_size = int(self.cfg.vocab_size)
-        self.max_batch = int(max_batch)
-        self.max_len = int(max_len)
-        self.min_batch = min(int(min_batch), self.max_batch)
-        self.min_len = min(int(min_len), self.max_len)
-        self.min_window = min(max(int(min_cache_len), self.min_len), self.max_len)
-        self.chunk_steps = int(chunk_steps)
+        o = options
+        self.max_batch = o.max_batch
+        self.max_len = o.max_len
+        self.min_batch = min(o.min_batch, self.max_batch)
+        self.min_len = min(o.min_len, self.max_len)
+        self.min_window = min(max(o.min_cache_len, self.min_len), self.max_len)
+        self.chunk_steps = o.chunk_steps
         if self.chunk_steps < 1:
-            raise ValueError(f"chunk_steps must be >= 1, got {chunk_steps}")
-        self.min_steps = max(1, self.chunk_steps // 4 if min_chunk_steps is None
-                             else min(int(min_chunk_steps), self.chunk_steps))
-        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens else None
-        self.num_slots = self.max_batch + -(-int(prefix_cache_tokens) // self.max_len)
+            raise ValueError(f"chunk_steps must be >= 1, got {o.chunk_steps}")
+        self.min_steps = max(1, min(o.min_chunk_steps, self.chunk_steps)
+                             if o.min_chunk_steps else self.chunk_steps // 4)
+        self.prefix_cache = PrefixCache(o.prefix_cache_tokens) if o.prefix_cache_tokens else None
+        self.num_slots = self.max_batch + -(-o.prefix_cache_tokens // self.max_len)
         self.version = 0  # weight updates applied; a row reports the one it started under
         self._seeds = np.random.default_rng(seed)
         self._pool: tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]] | None = None

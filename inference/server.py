@@ -438,23 +438,22 @@ class Server:
 def engine_from_config(config) -> tuple[Engine, str | None]:
     """An EmbeddedEngine from a training config: `model.hf_path` or else a
     `model.preset` initialised from `seed`, with the options of `config.engine`
-    (`inference.embedded.options_from_config`, as train.py builds it)."""
+    (as train.py builds it)."""
     # JAX and the model load only in a process that serves a model of its own: the
     # Server above wraps any Engine, and its importers need neither.
-    from inference.embedded import options_from_config
+    from inference.embedded import EmbeddedOptions
 
     model_cfg = config.model
     return build_engine(hf_dir=model_cfg.hf_path or None, preset=model_cfg.preset or None,
                         seed=int(config.seed), overrides=dict(model_cfg),
-                        **options_from_config(config.engine))
+                        options=EmbeddedOptions.from_section(config.engine))
 
 
 def build_engine(hf_dir: str | None, preset: str | None, seed: int,
-                 overrides: dict[str, Any] | None = None,
-                 **options: int) -> tuple[Engine, str | None]:
-    """An EmbeddedEngine over an HF directory or a randomly initialised preset (with the
-    Qwen3Config fields found in `overrides`, models.loading.model_config); `options` go
-    to EmbeddedEngine."""
+                 overrides: dict[str, Any] | None, options) -> tuple[Engine, str | None]:
+    """An EmbeddedEngine (with EmbeddedOptions `options`) over an HF directory or a
+    randomly initialised preset (with the Qwen3Config fields found in `overrides`,
+    models.loading.model_config)."""
     # As in engine_from_config: JAX and the model only where a model is served.
     from inference.embedded import EmbeddedEngine
     from models import hf_io, loading
@@ -466,11 +465,13 @@ def build_engine(hf_dir: str | None, preset: str | None, seed: int,
         model = loading.build_model(model_cfg, loading.model_config(model_cfg), None, seed)
     else:
         raise ValueError("give --model-path, --preset or --config")
-    engine = EmbeddedEngine(model, seed=seed, **options)
+    engine = EmbeddedEngine(model, options, seed=seed)
     return engine, hf_dir
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    from inference.embedded import EmbeddedOptions  # (as in engine_from_config)
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", help="a run's config.json (train.py writes it in the workdir; "
                                      "uses its model and engine sections)")
@@ -479,16 +480,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--context-length", type=int, default=0,
                    help="SGLang's flag: longest prompt + output (sets --max-len)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="accepted for SGLang's command line; sampling is always seeded here")
+    # The command line's own defaults (a standalone server's, as SGLang's launcher has
+    # its own); a training run's engine section (--config) has the defaults of
+    # configs.common.engine_defaults.
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=2048)
     p.add_argument("--min-batch", type=int, default=1, help="smallest batch bucket")
     p.add_argument("--min-len", type=int, default=16, help="smallest length bucket")
+    p.add_argument("--min-cache-len", type=int, default=1, help="smallest attention window")
     p.add_argument("--prefix-cache-tokens", type=int, default=0,
                    help="positions of keys/values kept for prompt-prefix reuse (0: off)")
+    p.add_argument("--chunk-steps", type=int, default=32, help="most decode steps per call")
+    p.add_argument("--min-chunk-steps", type=int, default=0,
+                   help="fewest decode steps per call (0: chunk-steps // 4)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -498,11 +506,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         with open(args.config) as f:
             engine, model_path = engine_from_config(ml_collections.ConfigDict(json.load(f)))
     else:
-        engine, model_path = build_engine(
-            args.model_path, args.preset, args.seed, max_batch=args.max_batch,
-            max_len=args.context_length or args.max_len, min_batch=args.min_batch,
-            min_len=args.min_len,
-            prefix_cache_tokens=args.prefix_cache_tokens)
+        options = EmbeddedOptions(
+            max_batch=args.max_batch, max_len=args.context_length or args.max_len,
+            min_batch=args.min_batch, min_len=args.min_len, min_cache_len=args.min_cache_len,
+            prefix_cache_tokens=args.prefix_cache_tokens, chunk_steps=args.chunk_steps,
+            min_chunk_steps=args.min_chunk_steps)
+        engine, model_path = build_engine(args.model_path, args.preset, args.seed, None, options)
     server = Server(engine, model_path=model_path)
     log.info("serving on http://%s:%d", args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None,

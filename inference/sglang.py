@@ -214,58 +214,85 @@ class _Server:
         return self.lock, self.open
 
 
+@dataclasses.dataclass(frozen=True)
+class SGLangConfig:
+    """The `engine.sglang` section (documented with its defaults in
+    configs.common.sglang_defaults): the servers, how to launch them, and the client's
+    retries, weight exports and sync."""
+
+    urls: Sequence[str]
+    launch: bool
+    ports: Sequence[int]
+    host: str
+    tp_size: int
+    mem_fraction_static: float
+    extra_args: Sequence[str]
+    timeout_s: float
+    max_retries: int
+    backoff_s: float
+    down_s: float
+    export_dir: str
+    health_timeout_s: float
+    host_gpus: int
+    command: str
+    python: str
+    env: Sequence[str]
+    context_length: int
+    deterministic: bool
+    sync_mode: str
+    on_restart: str
+    export_dtype: str
+    export_keep: int
+
+    def __post_init__(self):
+        if self.sync_mode not in SYNC_MODES:
+            raise ValueError(f"sync_mode must be one of {SYNC_MODES}, got {self.sync_mode!r}")
+        if self.export_keep < 1:
+            raise ValueError(f"export_keep must be >= 1, got {self.export_keep}")
+        if self.on_restart not in ON_RESTART:
+            raise ValueError(f"on_restart must be one of {ON_RESTART}, "
+                             f"got {self.on_restart!r}")
+
+    @property
+    def servers_launched(self) -> bool:
+        """Servers this process starts (no urls, launch on)."""
+        return bool(self.launch and not self.urls)
+
+
 class SGLangClient(Engine):
     """Engine over one or more SGLang (or `inference.server`) URLs.
 
     urls: base URLs, e.g. ["http://10.0.0.1:30000"].
-    timeout: seconds for one HTTP call (a whole generation).
-    max_retries: extra attempts after the first for one request.
-    backoff: seconds before the first retry; doubles each retry.
-    down_s: how long a failing server is skipped.
+    cfg: timeouts, retries, exports, sync and seeding (SGLangConfig); exports go to
+      `cfg.export_dir` (readable by every server), or a fresh temporary directory.
     model_config: Qwen3Config, needed to export a params pytree in `update_weights`.
-    export_dir: where exported weights go (must be readable by every server);
-      default a fresh temporary directory.
-    export_dtype: dtype of exported tensors (the servers' --dtype).
-    export_keep: exports kept on disk (the newest; older ones are deleted once every
-      server has answered the reload).
-    sync_mode: "pause", "abort" or "drain" (module docstring).
-    seeded: send request seeds (the servers must support sampling_seed).
     launchers: server processes this client owns and stops on close.
     vocab_size: output ids must lie below it (default model_config's; unknown: 2**31).
-    on_restart: a server answering with an older weight version than this client loaded
-      into it (it restarted) is reloaded before its next request, and the answer is
-      re-requested ("reload") or its request fails with EngineError ("drop").
+
+    A server answering with an older weight version than this client loaded into it (it
+    restarted) is reloaded before its next request, and the answer is re-requested
+    (cfg.on_restart "reload") or its request fails with EngineError ("drop").
     """
 
-    def __init__(self, urls: Sequence[str], *, timeout: float = 600.0, max_retries: int = 3,
-                 backoff: float = 0.5, down_s: float = 30.0, model_config=None,
-                 export_dir: str | None = None, export_dtype: str = "bfloat16",
-                 export_keep: int = 1, sync_mode: str = "pause", seeded: bool = True,
-                 launchers: Sequence[SGLangLauncher] = (), vocab_size: int | None = None,
-                 on_restart: str = "reload"):
+    def __init__(self, urls: Sequence[str], cfg: SGLangConfig, *, model_config=None,
+                 launchers: Sequence[SGLangLauncher] = (), vocab_size: int | None = None):
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
-        if sync_mode not in SYNC_MODES:
-            raise ValueError(f"sync_mode must be one of {SYNC_MODES}, got {sync_mode!r}")
-        if export_keep < 1:
-            raise ValueError(f"export_keep must be >= 1, got {export_keep}")
-        if on_restart not in ON_RESTART:
-            raise ValueError(f"on_restart must be one of {ON_RESTART}, got {on_restart!r}")
         self.servers = [_Server(u.rstrip("/")) for u in urls]
-        self.timeout = float(timeout)
-        self.max_retries = int(max_retries)
-        self.backoff = float(backoff)
-        self.down_s = float(down_s)
+        self.timeout = float(cfg.timeout_s)
+        self.max_retries = int(cfg.max_retries)
+        self.backoff = float(cfg.backoff_s)
+        self.down_s = float(cfg.down_s)
         self.model_config = model_config
-        self.export_dir = export_dir
-        self.export_dtype = export_dtype
-        self.export_keep = int(export_keep)
-        self.sync_mode = sync_mode
-        self.seeded = bool(seeded)
+        self.export_dir = cfg.export_dir or None
+        self.export_dtype = cfg.export_dtype
+        self.export_keep = int(cfg.export_keep)
+        self.sync_mode = cfg.sync_mode
+        self.seeded = bool(cfg.deterministic)
         self.launchers = list(launchers)
         self.vocab_size = vocab_size or (model_config.vocab_size if model_config is not None
                                          else None)
-        self.on_restart = on_restart
+        self.on_restart = cfg.on_restart
         self.version = 0
         self.weights_path: str | None = None
         self._stats: dict[str, float] = {}
@@ -854,19 +881,19 @@ def server_info(url: str, timeout: float = 30.0) -> dict[str, Any]:
         raise EngineError(f"{url}/get_server_info failed: {e}") from e
 
 
-def check_context(config, model_config) -> None:
+def check_context(max_context: int, model_config) -> None:
     """Refuses a recipe whose rollout.max_context exceeds the model's limit."""
     limit = int(model_config.max_position_embeddings)
-    if config.rollout.max_context > limit:
-        raise ValueError(f"rollout.max_context ({config.rollout.max_context}) exceeds the "
-                         f"model's context limit ({limit} = max_position_embeddings); lower "
+    if max_context > limit:
+        raise ValueError(f"rollout.max_context ({max_context}) exceeds the model's context "
+                         f"limit ({limit} = max_position_embeddings); lower "
                          f"rollout.max_context to at most {limit}")
 
 
 # ----------------------------------------------------------------------------- placement
 
 
-def placement(config) -> dict[str, Any]:
+def placement(sg: SGLangConfig) -> dict[str, Any]:
     """Which GPUs of the host the launched servers and the learner use.
 
     Launched servers take the last `len(ports) * tp_size` of `host_gpus` GPUs, server
@@ -874,9 +901,8 @@ def placement(config) -> dict[str, Any]:
     `urls` run elsewhere and the learner keeps every GPU; `host_gpus` 0 places nothing
     (servers and learner on CPUs).
     """
-    sg = config.engine.sglang
     total = int(sg.host_gpus)
-    if config.engine.kind != "sglang" or sg.urls or not sg.launch:
+    if not sg.servers_launched:
         return {"host_gpus": total, "learner_gpus": list(range(total)), "servers": []}
     if total == 0:  # servers on CPUs (inference.server): nothing to place
         return {"host_gpus": 0, "learner_gpus": [],
@@ -892,14 +918,13 @@ def placement(config) -> dict[str, Any]:
     return {"host_gpus": total, "learner_gpus": list(range(first)), "servers": servers}
 
 
-def restrict_learner_devices(config) -> list[int]:
+def restrict_learner_devices(sg: SGLangConfig) -> list[int]:
     """Limits this process's JAX GPUs to the learner's share of `placement` (before JAX
     starts its backend); returns the GPU ids."""
     import jax  # (as in SGLangClient._export: a client may run without JAX)
 
-    gpus = placement(config)["learner_gpus"]
-    if config.engine.kind == "sglang" and config.engine.sglang.launch \
-            and not config.engine.sglang.urls and config.engine.sglang.host_gpus:
+    gpus = placement(sg)["learner_gpus"]
+    if sg.servers_launched and sg.host_gpus:
         jax.config.update("jax_cuda_visible_devices", ",".join(map(str, gpus)))
     return gpus
 
@@ -907,19 +932,18 @@ def restrict_learner_devices(config) -> list[int]:
 # ----------------------------------------------------------------------------- from a config
 
 
-def _launcher_configs(config, model_path: str) -> list[LauncherConfig]:
-    sg = config.engine.sglang
-    gpus = {s["port"]: s["gpus"] for s in placement(config)["servers"]}
-    return [LauncherConfig(model_path=model_path, port=int(port), host=sg.host,
-                           tp_size=int(sg.tp_size),
-                           mem_fraction_static=float(sg.mem_fraction_static),
-                           context_length=int(sg.context_length or config.rollout.max_context),
-                           gpus=tuple(gpus.get(int(port), ())),
-                           deterministic=bool(sg.deterministic),
-                           extra_args=tuple(sg.extra_args), command=sg.command or SGLANG_COMMAND,
-                           python=sg.python, env=_env_entries(sg.env),
-                           startup_timeout=float(sg.health_timeout_s))
-            for port in sg.ports]
+def launchers(sg: SGLangConfig, model_path: str, max_context: int) -> list[SGLangLauncher]:
+    """One launcher per `sg.ports` serving `model_path` (not started), on its GPUs
+    (`placement`); SGLang's --context-length is `sg.context_length` or `max_context`."""
+    gpus = {s["port"]: s["gpus"] for s in placement(sg)["servers"]}
+    return [SGLangLauncher(LauncherConfig(
+        model_path=model_path, port=int(port), host=sg.host, tp_size=int(sg.tp_size),
+        mem_fraction_static=float(sg.mem_fraction_static),
+        context_length=int(sg.context_length or max_context),
+        gpus=tuple(gpus.get(int(port), ())), deterministic=bool(sg.deterministic),
+        extra_args=tuple(sg.extra_args), command=sg.command or SGLANG_COMMAND,
+        python=sg.python, env=_env_entries(sg.env), startup_timeout=float(sg.health_timeout_s)))
+        for port in sg.ports]
 
 
 def _env_entries(entries: Sequence[str]) -> dict[str, str]:
@@ -932,65 +956,70 @@ def _env_entries(entries: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def launch_commands(config, workdir: str = "WORKDIR") -> list[list[str]]:
-    """The server command lines `from_config` would run (one per `engine.sglang.ports`),
-    each prefixed with its environment (e.g. CUDA_VISIBLE_DEVICES=2,3)."""
-    model_path = config.model.hf_path or os.path.join(workdir, "sglang_weights", "init")
-    launchers = [SGLangLauncher(c) for c in _launcher_configs(config, model_path)]
+def launch_commands(sg: SGLangConfig, model_path: str, max_context: int) -> list[list[str]]:
+    """The server command lines `connect` would run (one per `sg.ports`), each prefixed
+    with its environment (e.g. CUDA_VISIBLE_DEVICES=2,3)."""
     return [[f"{k}={v}" for k, v in sorted(x.environment().items())] + x.command()
-            for x in launchers]
+            for x in launchers(sg, model_path, max_context)]
 
 
-def from_config(config, workdir: str, model_config=None) -> SGLangClient:
-    """An SGLangClient from `config.engine.sglang` (see configs.common.sglang_defaults).
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """What the servers serve: the HF directory (`model.hf_path`; "" for a model trained
+    from scratch, exported from `model_config` initialised with `seed`), its Qwen3Config
+    (read from hf_path when None) and the run's longest context."""
 
-    With `urls` it connects to running servers; otherwise, with `launch`, it starts one
-    server per port on `config.model.hf_path` (or, for a model trained from scratch, on
-    a seed-initialised export of `model_config` that the first `update_weights`
-    replaces) and stops them on close. Every server is checked (`check_server`) first.
-    model_config: the served Qwen3Config; read from `hf_path` when not given.
-    """
+    hf_path: str
+    model_config: Any
+    max_context: int
+    seed: int
+
+
+def connect(sg: SGLangConfig, served: Served, workdir: str) -> SGLangClient:
+    """An SGLangClient of `sg.urls`, or of servers it launches (`sg.launch`) and stops on
+    close. Weights are exported under `sg.export_dir` (default workdir/sglang_weights).
+    Every server is checked (`check_server`) first."""
     from models import hf_io  # (as in SGLangClient._export)
 
-    sg = config.engine.sglang
-    hf_path = config.model.hf_path
-    if model_config is None and hf_path:
-        model_config = hf_io.load_config(hf_path)
+    model_config = served.model_config
+    if model_config is None and served.hf_path:
+        model_config = hf_io.load_config(served.hf_path)
     if model_config is not None:
-        check_context(config, model_config)
-    export_dir = sg.export_dir or os.path.join(workdir, "sglang_weights")
-    urls, launchers = list(sg.urls), []
+        check_context(served.max_context, model_config)
+    sg = dataclasses.replace(sg, export_dir=sg.export_dir or
+                             os.path.join(workdir, "sglang_weights"))
+    urls, started = list(sg.urls), []
     if not urls:
         if not sg.launch:
             raise ValueError("engine.sglang has no urls and launch=False: nothing to connect to")
-        model_path = hf_path or _export_init(model_config, export_dir, int(config.seed),
-                                             sg.export_dtype)
-        launchers = [SGLangLauncher(c) for c in _launcher_configs(config, model_path)]
-        try:
-            for launcher in launchers:
-                launcher.spawn()
-            for launcher in launchers:
-                launcher.wait_healthy()
-        except BaseException:
-            for launcher in launchers:
-                launcher.close()
-            raise
-        urls = [launcher.url for launcher in launchers]
+        model_path = served.hf_path or _export_init(model_config, sg.export_dir, served.seed,
+                                                    sg.export_dtype)
+        started = launchers(sg, model_path, served.max_context)
+        _start(started)
+        urls = [launcher.url for launcher in started]
     try:
         for url in urls:
-            check_server(url, server_info(url), int(config.rollout.max_context),
-                         bool(sg.deterministic))
+            check_server(url, server_info(url), served.max_context, bool(sg.deterministic))
     except BaseException:
-        for launcher in launchers:
+        for launcher in started:
             launcher.close()
         raise
     if not sg.deterministic:
         log.warning("engine.sglang.deterministic=False: sampling is not seeded")
-    return SGLangClient(urls, timeout=float(sg.timeout_s), max_retries=int(sg.max_retries),
-                        model_config=model_config, export_dir=export_dir,
-                        export_dtype=sg.export_dtype, export_keep=int(sg.export_keep),
-                        sync_mode=sg.sync_mode, seeded=bool(sg.deterministic),
-                        launchers=launchers, on_restart=sg.on_restart)
+    return SGLangClient(urls, sg, model_config=model_config, launchers=started)
+
+
+def _start(launchers: Sequence[SGLangLauncher]) -> None:
+    """Spawns every server, then waits for each to be healthy; stops all on a failure."""
+    try:
+        for launcher in launchers:
+            launcher.spawn()
+        for launcher in launchers:
+            launcher.wait_healthy()
+    except BaseException:
+        for launcher in launchers:
+            launcher.close()
+        raise
 
 
 def _export_init(model_config, export_dir: str, seed: int, dtype: str) -> str:

@@ -22,6 +22,7 @@ from inference.sampling import (
 )
 from kernels.logprob.api import token_logprobs
 from models.qwen3 import Qwen3, Qwen3Config
+from tests.owners import engine_options
 
 CFG = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
@@ -44,8 +45,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def engine(model):
-    eng = EmbeddedEngine(model, max_batch=32, max_len=64, min_batch=8, min_len=32,
-                         min_cache_len=64, seed=0)
+    eng = EmbeddedEngine(model, engine_options(max_batch=32, max_len=64, min_batch=8, min_len=32,
+                                               min_cache_len=64), seed=0)
     yield eng
     eng.close()
 
@@ -175,8 +176,8 @@ def test_concurrent_callers_get_their_own_results(engine):
 def test_short_request_returns_while_a_long_one_runs(model):
     """Continuous batching: a row that finishes hands its result back (and its slot on)
     without waiting for the longest row of its batch."""
-    with EmbeddedEngine(model, max_batch=4, max_len=64, min_len=16, min_cache_len=64,
-                        chunk_steps=2) as eng:
+    with EmbeddedEngine(model, engine_options(max_batch=4, max_len=64, min_len=16,
+                                              min_cache_len=64, chunk_steps=2), seed=0) as eng:
         async def both():
             long = asyncio.ensure_future(eng.generate([GenerateRequest(prompt(6, 4), 56)]))
             short = asyncio.ensure_future(eng.generate([GenerateRequest(prompt(7, 4), 2)]))
@@ -192,10 +193,10 @@ def test_update_weights_from_params_and_hf_dir(model, tmp_path):
 
     other = tiny_model(1)
     reqs = [GenerateRequest(prompt(5, 8), 10, temperature=0.0)]
-    with EmbeddedEngine(model, max_batch=4, min_batch=4, max_len=64, min_len=32,
-                        min_cache_len=64) as eng, \
-            EmbeddedEngine(other, max_batch=4, min_batch=4, max_len=64, min_len=32,
-                           min_cache_len=64) as ref:
+    with EmbeddedEngine(model, engine_options(max_batch=4, min_batch=4, max_len=64, min_len=32,
+                                              min_cache_len=64), seed=0) as eng, \
+            EmbeddedEngine(other, engine_options(max_batch=4, min_batch=4, max_len=64, min_len=32,
+                                                 min_cache_len=64), seed=0) as ref:
         before = run(eng.generate(reqs))[0].output_ids
         expected = run(ref.generate(reqs))[0].output_ids
         assert before != expected
@@ -232,9 +233,9 @@ def _conversations(engine, turns: int, n: int, temperature: float):
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_prefix_cache_reuses_turns_and_changes_no_output(model, temperature):
     # One row bucket (8) keeps the compiled shapes few; windows still vary (32, 64).
-    with EmbeddedEngine(model, max_batch=8, min_batch=8, max_len=64, min_len=32, seed=0,
-                        prefix_cache_tokens=4096) as cached, \
-            EmbeddedEngine(model, max_batch=8, min_batch=8, max_len=64, min_len=32,
+    with EmbeddedEngine(model, engine_options(max_batch=8, min_batch=8, max_len=64, min_len=32,
+                                              prefix_cache_tokens=4096), seed=0) as cached, \
+            EmbeddedEngine(model, engine_options(max_batch=8, min_batch=8, max_len=64, min_len=32),
                            seed=0) as plain:
         got = _conversations(cached, turns=3, n=5, temperature=temperature)
         want = _conversations(plain, turns=3, n=5, temperature=temperature)
@@ -266,11 +267,11 @@ def test_shared_prompts_copy_keys_and_values_and_change_no_output(model, tempera
     base = prompt(7, 45)
     prompts = [base] * 8 + [base + prompt(8, 4), prompt(9, 20)]
     reqs = [GenerateRequest(p, 6, temperature=temperature, seed=i) for i, p in enumerate(prompts)]
-    opts = dict(max_batch=16, min_batch=8, max_len=64, min_len=32, min_cache_len=64, seed=0)
-    with EmbeddedEngine(model, **opts) as eng:
+    opts = dict(max_batch=16, min_batch=8, max_len=64, min_len=32, min_cache_len=64)
+    with EmbeddedEngine(model, engine_options(**opts), seed=0) as eng:
         got = run(eng.generate(reqs))
     for req, res in zip(reqs, got, strict=True):
-        with EmbeddedEngine(model, **opts) as alone:
+        with EmbeddedEngine(model, engine_options(**opts), seed=0) as alone:
             (want,) = run(alone.generate([req]))
         assert res.output_ids == want.output_ids
         np.testing.assert_allclose(res.logprobs, want.logprobs, atol=1e-5)
@@ -505,8 +506,8 @@ def test_server_builds_engine_from_training_config():
 def test_close_waits_for_the_scheduler_thread(model):
     """close() during a long generation returns only once the scheduler thread has left
     its device call, and the running request ends as aborted."""
-    eng = EmbeddedEngine(model, max_batch=4, max_len=64, min_len=16, min_cache_len=64,
-                         chunk_steps=2)
+    eng = EmbeddedEngine(model, engine_options(max_batch=4, max_len=64, min_len=16,
+                                               min_cache_len=64, chunk_steps=2), seed=0)
 
     async def close_mid_generation():
         task = asyncio.ensure_future(eng.generate([GenerateRequest(prompt(6, 4), 56)]))

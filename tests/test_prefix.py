@@ -381,7 +381,7 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     from models.tokenizer import train_bpe
     from rl import algos, sft
     from rl.rollout import Agent
-    from tests.rollout_configs import rollout_config
+    from tests.owners import engine_options, rollout_config
 
     tasks = miniswe.generate_tasks(3, seed=11, difficulties=(1,))
     tokenizer = train_bpe(sft.tokenizer_corpus(tasks), 600)
@@ -390,7 +390,7 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
                   rngs=nnx.Rngs(0))
     cfg = rollout_config(max_steps=4, max_turn_tokens=16, max_response_tokens=1000,
                          max_context=2048, test_timeout_s=30.0, env_retries=0, temperature=1.0)
-    engine = EmbeddedEngine(model, max_batch=8, max_len=2048, seed=0)
+    engine = EmbeddedEngine(model, engine_options(max_batch=8, max_len=2048), seed=0)
     factory = sandbox.from_config(ml_collections.ConfigDict(
         {"backend": "local", "image": "", "local_allow_unisolated": False,
          "local_read_only": ()}))

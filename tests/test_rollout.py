@@ -26,7 +26,7 @@ from rl import prefix, sft
 from rl.learner import init_train_state, make_train_step
 from rl.metrics import rollout_metrics
 from rl.rollout import Agent, RolloutJob, StreamCollector, collect_groups
-from tests.rollout_configs import rollout_config
+from tests.owners import engine_options, rollout_config
 
 TASKS = miniswe.generate_tasks(6, seed=7, difficulties=(0, 1))
 
@@ -74,8 +74,8 @@ def make_agent(model, tokenizer, factory, **cfg):
     cfg = rollout_config(**{"max_steps": 3, "max_turn_tokens": 24, "max_response_tokens": 200,
                             "max_context": 1024, "test_timeout_s": 30.0, "temperature": 1.0,
                             **cfg})
-    engine = RecordingEngine(EmbeddedEngine(model, max_batch=16, max_len=cfg.max_context,
-                                            seed=0))
+    engine = RecordingEngine(EmbeddedEngine(model, engine_options(max_batch=16,
+                                                                  max_len=cfg.max_context), seed=0))
     return Agent(engine, tokenizer, SandboxPool(factory, 4), cfg, tools_in_prompt=False)
 
 
@@ -312,7 +312,8 @@ def test_an_episode_goes_on_across_a_weight_update_each_turn_with_its_version(
     cfg = rollout_config(max_steps=3, max_turn_tokens=24, max_response_tokens=200,
                          max_context=1024, test_timeout_s=30.0, temperature=1.0)
     box = []
-    engine = SyncAfterFirstTurn(EmbeddedEngine(model, max_batch=4, max_len=1024, seed=0),
+    engine = SyncAfterFirstTurn(EmbeddedEngine(model, engine_options(max_batch=4, max_len=1024),
+                                               seed=0),
                                 box, new)
     agent = Agent(engine, tokenizer, SandboxPool(factory, 1), cfg, tools_in_prompt=False)
     box.append(agent)

@@ -14,7 +14,7 @@ from bench import rollout_sim as sim
 from env.sandbox.pool import SandboxPool
 from models.tokenizer import TOOL_CALL_END
 from rl.rollout import Agent, RolloutJob
-from tests.rollout_configs import rollout_config
+from tests.owners import rollout_config
 
 FIXED = sim.LongTailModel(turns_sigma=0.0, tokens_sigma=0.0, tool_sigma=0.0)
 # D = 10 turns * 300 tokens * 0.02 s + 9 tool calls * 2 s = 60 + 18 = 78 simulated s.

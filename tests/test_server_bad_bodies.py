@@ -12,6 +12,7 @@ from inference.embedded import EmbeddedEngine
 from inference.engine import GenerateRequest
 from inference.sglang import SGLangClient
 from models.qwen3 import Qwen3, Qwen3Config
+from tests.owners import engine_options, sglang_config
 from tests.servers import served
 
 CFG = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
@@ -61,8 +62,8 @@ ABORT = {
 @contextlib.asynccontextmanager
 async def served_tiny():
     """The project's server on a tiny random model's engine; yields its URL."""
-    engine = EmbeddedEngine(Qwen3(CFG, rngs=nnx.Rngs(0)), max_batch=2, min_batch=2,
-                            max_len=16, min_len=16)
+    options = engine_options(max_batch=2, min_batch=2, max_len=16, min_len=16)
+    engine = EmbeddedEngine(Qwen3(CFG, rngs=nnx.Rngs(0)), options, seed=0)
     try:
         async with served(engine) as url:
             yield url
@@ -79,7 +80,7 @@ async def post(http, url, body):
 
 def test_malformed_bodies_answer_400_with_the_reason_and_the_server_serves_on():
     async def go():
-        async with served_tiny() as url, SGLangClient([url]) as client:
+        async with served_tiny() as url, SGLangClient([url], sglang_config()) as client:
             http = client._http()
             answers = {}
             for route, cases in (("/generate", GENERATE), ("/abort_request", ABORT),
@@ -103,7 +104,7 @@ def test_malformed_bodies_answer_400_with_the_reason_and_the_server_serves_on():
 @pytest.mark.parametrize("body", [{"rid": "nobody"}, {"abort_all": True}, {}, None])
 def test_wellformed_abort_bodies_answer_200(body):
     async def go():
-        async with served_tiny() as url, SGLangClient([url]) as client:
+        async with served_tiny() as url, SGLangClient([url], sglang_config()) as client:
             return (await post(client._http(), url + "/abort_request", body or ""))[0]
 
     assert asyncio.run(go()) == 200

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from inference import build as engines
 from inference.embedded import EmbeddedEngine
 from inference.engine import ContextLengthError, EngineError, GenerateRequest
 from inference.sglang import (
@@ -25,11 +26,10 @@ from inference.sglang import (
     SGLangClient,
     SGLangLauncher,
     free_port,
-    from_config,
-    launch_commands,
 )
 from models import hf_io
 from models.qwen3 import Qwen3, Qwen3Config
+from tests.owners import engine_options, sglang_config
 from tests.servers import served
 
 CFG = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -79,7 +79,8 @@ def models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(models):
     """name -> in-process engine over the same weights (the expected answers)."""
-    engines = {name: EmbeddedEngine(model, **ENGINE) for name, (model, _) in models.items()}
+    engines = {name: EmbeddedEngine(model, engine_options(**ENGINE), seed=0)
+               for name, (model, _) in models.items()}
     yield engines
     for e in engines.values():
         e.close()
@@ -116,7 +117,7 @@ def test_generate_with_logprobs_matches_embedded(servers, references):
     reqs = requests(12)
 
     async def go():
-        async with SGLangClient([servers[0].url]) as client:
+        async with SGLangClient([servers[0].url], sglang_config()) as client:
             assert await client.health()
             return await client.generate(reqs)
 
@@ -177,8 +178,8 @@ def test_update_weights_changes_outputs(servers, models, references):
 
     async def go(tmp):
         # The servers run the f32 model: exports in their dtype reproduce it exactly.
-        async with SGLangClient([s.url for s in servers], model_config=CFG,
-                                export_dir=tmp, export_dtype="float32") as client:
+        cfg = sglang_config(export_dir=tmp, export_dtype="float32")
+        async with SGLangClient([s.url for s in servers], cfg, model_config=CFG) as client:
             before = await client.generate(reqs)
             await client.update_weights(dir_b)
             after = await client.generate(reqs)
@@ -200,7 +201,7 @@ def test_update_weights_changes_outputs(servers, models, references):
 
 def test_update_weights_failure_is_reported(servers):
     async def go():
-        async with SGLangClient([servers[0].url]) as client:
+        async with SGLangClient([servers[0].url], sglang_config()) as client:
             await client.update_weights("/nonexistent/model")
 
     with pytest.raises(EngineError, match="nonexistent"):
@@ -217,18 +218,18 @@ def test_from_config(servers):
     config = ml_collections.ConfigDict(dict(seed=0, model=dict(hf_path="/w/qwen3"),
                                             rollout=dict(max_context=32),
                                             engine=dict(kind="sglang", sglang=sglang)))
-    commands = launch_commands(config)
+    commands = engines.launch_commands(config)
     assert [c[c.index("--port") + 1] for c in commands] == ["30000", "30001"]
     assert all(c[c.index("--model-path") + 1] == "/w/qwen3" for c in commands)
     assert [c[0] for c in commands] == ["CUDA_VISIBLE_DEVICES=2,3", "CUDA_VISIBLE_DEVICES=4,5"]
     config.engine.sglang.urls = tuple(s.url for s in servers)
-    client = from_config(config, "/tmp", model_config=CFG)
+    client = engines.from_config(config, None, "/tmp", CFG)
     assert [s.url for s in client.servers] == list(config.engine.sglang.urls)
     assert client.max_retries == 1 and client.launchers == [] and client.seeded
     client.close()
     config.rollout.max_context = 64  # the servers take 32 tokens
     with pytest.raises(EngineError, match="at most 32 tokens"):
-        from_config(config, "/tmp", model_config=CFG)
+        engines.from_config(config, None, "/tmp", CFG)
 
 
 def test_sglang_protocol_pause_info_limits_and_range_checks(servers):
@@ -286,7 +287,7 @@ def test_sglang_protocol_pause_info_limits_and_range_checks(servers):
     run(go())
 
     async def overflow():
-        async with SGLangClient([url]) as client:
+        async with SGLangClient([url], sglang_config()) as client:
             await client.generate([GenerateRequest(list(range(1, 29)), 8)])
 
     with pytest.raises(ContextLengthError, match="maximum context length of 32"):
@@ -295,10 +296,11 @@ def test_sglang_protocol_pause_info_limits_and_range_checks(servers):
 
 def test_flush_cache_empties_the_engines_prefix_cache(models):
     """/flush_cache on a server whose engine parks prefixes: the next turn prefills all."""
-    engine = EmbeddedEngine(models["a"][0], prefix_cache_tokens=4096, **ENGINE)
+    engine = EmbeddedEngine(models["a"][0], engine_options(prefix_cache_tokens=4096, **ENGINE),
+                            seed=0)
 
     async def go():
-        async with served(engine) as url, SGLangClient([url]) as client:
+        async with served(engine) as url, SGLangClient([url], sglang_config()) as client:
             async def turn(ids):
                 (res,) = await client.generate([GenerateRequest(ids, 4, temperature=0.0)])
                 return res
@@ -323,8 +325,8 @@ def test_abort_returns_the_tokens_generated_so_far(models):
     finish_reason abort and its tokens so far: a prefix of the uninterrupted answer."""
     import time
 
-    engine = EmbeddedEngine(models["a"][0], max_batch=4, min_batch=4, max_len=512,
-                            min_len=16, chunk_steps=4)
+    engine = EmbeddedEngine(models["a"][0], engine_options(max_batch=4, min_batch=4, max_len=512,
+                                                           min_len=16, chunk_steps=4), seed=0)
     body = {"input_ids": [5, 6, 7], "return_logprob": True,
             "sampling_params": {"max_new_tokens": 500, "temperature": 0}}
 
@@ -368,7 +370,7 @@ def test_no_server_up_names_every_url():
     urls = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
 
     async def go():
-        async with SGLangClient(urls, max_retries=2, backoff=0.01) as client:
+        async with SGLangClient(urls, sglang_config(max_retries=2, backoff_s=0.01)) as client:
             assert not await client.health()
             await client.generate([GenerateRequest([1, 2], 3)])
 
@@ -383,8 +385,8 @@ def test_failover_when_a_server_dies_mid_run(servers, references):
     first, second = requests(8, offset=2), requests(24, offset=3)
 
     async def go():
-        async with SGLangClient([s.url for s in servers], max_retries=4, backoff=0.05,
-                                down_s=60) as client:
+        cfg = sglang_config(max_retries=4, backoff_s=0.05, down_s=60)
+        async with SGLangClient([s.url for s in servers], cfg) as client:
             warm = await client.generate(first)
             pending = asyncio.ensure_future(client.generate(second))
             await asyncio.sleep(0.01)
@@ -538,7 +540,7 @@ def test_a_restarted_server_is_reloaded_before_its_answers_are_used(models, refe
     port = free_port()
 
     async def start():
-        engine = EmbeddedEngine(models["a"][0], **ENGINE)
+        engine = EmbeddedEngine(models["a"][0], engine_options(**ENGINE), seed=0)
         runner = web.AppRunner(Server(engine, model_path=models["a"][1]).app())
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -546,7 +548,8 @@ def test_a_restarted_server_is_reloaded_before_its_answers_are_used(models, refe
 
     async def go():
         runner, engine = await start()
-        async with SGLangClient([f"http://127.0.0.1:{port}"], backoff=0.01) as client:
+        async with SGLangClient([f"http://127.0.0.1:{port}"],
+                                sglang_config(backoff_s=0.01)) as client:
             await client.update_weights(models["b"][1])
             await runner.cleanup()
             engine.close()

@@ -10,6 +10,7 @@ import pytest
 
 from inference import sglang
 from inference.engine import EngineError, GenerateRequest
+from tests.owners import sglang_config
 from tests.sglang_stub import StubSGLang, expected_ids, token_logprob
 
 
@@ -71,7 +72,7 @@ def test_a_malformed_answer_is_an_engine_error_after_a_bounded_retry(case):
 
     async def body(stub):
         stub.answer_hook = hook
-        async with sglang.SGLangClient([stub.url], max_retries=1, backoff=0.01,
+        async with sglang.SGLangClient([stub.url], sglang_config(max_retries=1, backoff_s=0.01),
                                        vocab_size=1000) as client:
             with pytest.raises(EngineError, match=message) as caught:
                 await client.generate([GenerateRequest([1, 2, 3], 8)])
@@ -91,7 +92,7 @@ def test_vocabulary_comes_from_the_model_config():
 
     async def body(stub):
         stub.answer_hook = lambda a: tokens(a, [499, 500])
-        async with sglang.SGLangClient([stub.url], max_retries=0,
+        async with sglang.SGLangClient([stub.url], sglang_config(max_retries=0),
                                        model_config=Cfg()) as client:
             with pytest.raises(EngineError, match=r"token ids \[500\] outside \[0, 500\)"):
                 await client.generate([GenerateRequest([1], 2)])
@@ -104,7 +105,8 @@ def test_finish_reason_null_is_not_continued_as_an_abort():
     reload); a null finish_reason is not an abort: no continuation joins partial outputs."""
     async def body(stub):
         stub.answer_hook = lambda a: meta(a, finish_reason=None)
-        async with sglang.SGLangClient([stub.url], max_retries=2, backoff=0.01) as client:
+        async with sglang.SGLangClient([stub.url], sglang_config(max_retries=2,
+                                                                 backoff_s=0.01)) as client:
             with pytest.raises(EngineError, match="finish_reason None"):
                 await client.generate([GenerateRequest([4, 5], 6)])
         return stub.prompt_lengths
@@ -117,7 +119,7 @@ def test_a_reported_weight_version_never_goes_backwards():
     """A client sharing servers it does not update follows their reported versions:
     5, then 7, then 2 (backwards) is refused with both numbers."""
     async def body(stub):
-        async with sglang.SGLangClient([stub.url], max_retries=0) as client:
+        async with sglang.SGLangClient([stub.url], sglang_config(max_retries=0)) as client:
             got = []
             for version in ("5", "7"):
                 stub.weight_version = version
@@ -145,8 +147,8 @@ def test_a_restarted_server_is_reloaded_before_its_answers_are_used(tmp_path, on
         p.mkdir()
 
     async def body(stub):
-        async with sglang.SGLangClient([stub.url], max_retries=2, backoff=0.01,
-                                       on_restart=on_restart) as client:
+        async with sglang.SGLangClient([stub.url], sglang_config(max_retries=2, backoff_s=0.01,
+                                                                 on_restart=on_restart)) as client:
             for p in paths:
                 await client.update_weights(str(p))
             stub.restart()
@@ -167,7 +169,8 @@ def test_a_restarted_server_is_reloaded_before_its_answers_are_used(tmp_path, on
 def test_a_failed_continue_is_retried_and_the_server_serves_again(tmp_path, fault):
     async def body(stub):
         stub.faults["/continue_generation"] = [fault]
-        async with sglang.SGLangClient([stub.url], backoff=0.01, timeout=5) as client:
+        async with sglang.SGLangClient([stub.url], sglang_config(backoff_s=0.01,
+                                                                 timeout_s=5)) as client:
             await client.update_weights(str(tmp_path))
             paused = stub._paused
             (result,) = await asyncio.wait_for(
@@ -182,8 +185,8 @@ def test_a_failed_continue_is_retried_and_the_server_serves_again(tmp_path, faul
 def test_a_server_that_stays_paused_is_named_and_gets_no_traffic(tmp_path):
     async def body(stub):
         stub.faults["/continue_generation"] = [503] * 3
-        async with sglang.SGLangClient([stub.url], max_retries=2, backoff=0.01,
-                                       timeout=5) as client:
+        async with sglang.SGLangClient([stub.url], sglang_config(max_retries=2, backoff_s=0.01,
+                                                                 timeout_s=5)) as client:
             with pytest.raises(EngineError, match=f"{stub.url} stays paused: "
                                "/continue_generation failed 3 times"):
                 await client.update_weights(str(tmp_path))
@@ -199,7 +202,7 @@ def test_a_server_that_stays_paused_is_named_and_gets_no_traffic(tmp_path):
 
 def test_valid_answers_pass_unchanged():
     async def body(stub):
-        async with sglang.SGLangClient([stub.url], vocab_size=1000) as client:
+        async with sglang.SGLangClient([stub.url], sglang_config(), vocab_size=1000) as client:
             return await client.generate([GenerateRequest([7, 8], 5)])
 
     (result,) = run(with_stub(body, token_s=0.0005))

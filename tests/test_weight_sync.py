@@ -10,10 +10,12 @@ import pytest
 from flax import nnx
 
 from configs.common import apply_overrides, load_config
+from inference import build as engines
 from inference import sglang
 from inference.engine import BrokenSampleError, ContextLengthError, EngineError, GenerateRequest
 from models.qwen3 import Qwen3, Qwen3Config
 from models.tokenizer import train_bpe
+from tests.owners import sglang_config
 from tests.sglang_stub import StubSGLang, expected_ids, token_logprob
 
 RECIPES = ["configs/grpo_swe.py", "configs/ps_qwen3_14b_swe.py", "configs/ps_qwen3_32b_swe.py",
@@ -72,8 +74,8 @@ def test_one_reload_per_server_with_32_in_flight(tmp_path, mode):
     reqs = [GenerateRequest([i + 1, 7, 9], 60) for i in range(32)]
 
     async def body(stubs):
-        client = sglang.SGLangClient([s.url for s in stubs], sync_mode=mode,
-                                     export_dir=str(tmp_path))
+        client = sglang.SGLangClient([s.url for s in stubs], sglang_config(sync_mode=mode,
+                                                                           export_dir=str(tmp_path)))
         pending = asyncio.gather(*(client.generate([r]) for r in reqs))
         await asyncio.sleep(0.05)
         await client.update_weights(str(weights))
@@ -111,7 +113,7 @@ def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path, mode)
     from env.sandbox.pool import SandboxPool
     from rl import sft
     from rl.rollout import Agent, RolloutJob, collect_groups
-    from tests.rollout_configs import rollout_config
+    from tests.owners import rollout_config
 
     weights = tmp_path / "w1"
     weights.mkdir()
@@ -122,8 +124,8 @@ def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path, mode)
 
     async def body(stubs):
         urls = [s.url for s in stubs]
-        updater = sglang.SGLangClient(urls, sync_mode=mode, export_dir=str(tmp_path))
-        follower = sglang.SGLangClient(urls)
+        updater = sglang.SGLangClient(urls, sglang_config(sync_mode=mode, export_dir=str(tmp_path)))
+        follower = sglang.SGLangClient(urls, sglang_config())
         (before,) = await follower.generate([GenerateRequest([3, 4], 5)])
         spanning = asyncio.ensure_future(follower.generate([GenerateRequest([1, 7, 9], 80)]))
         await asyncio.sleep(0.05)
@@ -153,7 +155,7 @@ def test_a_client_sharing_servers_records_the_version_they_serve(tmp_path, mode)
 def test_startup_checks_a_url_servers_own_context_limit(stub_kw, limit, source):
     """Servers given as URLs: launched without --context-length SGLang reports
     context_length null, and its limit (the model's, or a smaller KV pool) only through
-    its scheduler; from_config refuses rollout.max_context above it either way."""
+    its scheduler; the engine refuses rollout.max_context above it either way."""
     from configs.common import sglang_defaults
 
     def config(urls, max_context):
@@ -165,11 +167,13 @@ def test_startup_checks_a_url_servers_own_context_limit(stub_kw, limit, source):
 
     async def body(stubs):
         url = stubs[0].url
-        client = await asyncio.to_thread(sglang.from_config, config([url], limit), "/tmp")
+        client = await asyncio.to_thread(engines.from_config, config([url], limit), None, "/tmp",
+                                         None)
         await client.aclose()
         with pytest.raises(EngineError, match=rf"{url} takes at most {limit} tokens "
                                               rf"\({source}.*rollout.max_context is {limit + 1}"):
-            await asyncio.to_thread(sglang.from_config, config([url], limit + 1), "/tmp")
+            await asyncio.to_thread(engines.from_config, config([url], limit + 1), None, "/tmp",
+                                    None)
 
     run(with_stubs(1, body, **stub_kw))
 
@@ -184,8 +188,9 @@ def test_exports_rotate_and_are_bf16(tmp_path):
     params = nnx.state(model)
 
     async def body(stubs):
-        client = sglang.SGLangClient([s.url for s in stubs], model_config=cfg,
-                                     export_dir=str(tmp_path), export_keep=2)
+        client = sglang.SGLangClient([s.url for s in stubs],
+                                     sglang_config(export_dir=str(tmp_path),
+                                                   export_keep=2), model_config=cfg)
         sizes = []
         for _ in range(10):
             await client.update_weights(params)
@@ -213,7 +218,7 @@ def test_exports_rotate_and_are_bf16(tmp_path):
 @pytest.mark.parametrize("style", ["object", "string", "text"])
 def test_error_bodies_become_engine_errors_with_the_servers_text(style):
     async def body(stubs):
-        client = sglang.SGLangClient([stubs[0].url])
+        client = sglang.SGLangClient([stubs[0].url], sglang_config())
         with pytest.raises(ContextLengthError, match="maximum context length of 64"):
             await client.generate([GenerateRequest(list(range(1, 40)), 30)])
         stubs[0].version = "0.5.2"  # rejects sampling_seed
@@ -226,7 +231,7 @@ def test_error_bodies_become_engine_errors_with_the_servers_text(style):
 
 def test_nan_finish_is_a_broken_sample():
     async def body(stubs):
-        client = sglang.SGLangClient([stubs[0].url])
+        client = sglang.SGLangClient([stubs[0].url], sglang_config())
         with pytest.raises(BrokenSampleError, match="NaN happened"):
             await client.generate([GenerateRequest([1, 999, 2], 8)])
         ok = await client.generate([GenerateRequest([1, 2], 3)])
@@ -270,13 +275,13 @@ def test_unseeded_client_sends_no_seed():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_placement_shares_no_gpu(recipe):
     config = load_config(recipe)
-    place = sglang.placement(config)
+    place = engines.placement(config)
     server_gpus = [g for s in place["servers"] for g in s["gpus"]]
     assert place["servers"] and place["learner_gpus"]
     assert len(set(server_gpus)) == len(server_gpus)
     assert not set(server_gpus) & set(place["learner_gpus"])
     assert sorted(server_gpus + place["learner_gpus"]) == list(range(place["host_gpus"]))
-    for line, server in zip(sglang.launch_commands(config), place["servers"], strict=True):
+    for line, server in zip(engines.launch_commands(config), place["servers"], strict=True):
         assert line[0] == "CUDA_VISIBLE_DEVICES=" + ",".join(map(str, server["gpus"]))
         assert "--context-length" in line and line[line.index("--context-length") + 1] == \
             str(config.rollout.max_context)
@@ -290,7 +295,7 @@ def test_launcher_python_env_and_flags_from_config():
                              "engine.sglang.extra_args": ("--dtype", "bfloat16", "--x"),
                              "engine.sglang.deterministic": False,
                              "engine.sglang.context_length": 32768})
-    (line, _) = sglang.launch_commands(config)
+    (line, _) = engines.launch_commands(config)
     assert line[:4] == ["A=b=c", "CUDA_VISIBLE_DEVICES=4,5", "HF_HOME=/x", "PYTHONSAFEPATH=1"]
     assert line[4:7] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
     assert line[-3:] == ["--dtype", "bfloat16", "--x"]
@@ -298,9 +303,9 @@ def test_launcher_python_env_and_flags_from_config():
     assert line[line.index("--context-length") + 1] == "32768"
     apply_overrides(config, {"engine.sglang.ports": tuple(range(30000, 30004))})
     with pytest.raises(ValueError, match="8 GPUs leave none of host_gpus=8"):
-        sglang.placement(config)
+        engines.placement(config)
     apply_overrides(config, {"engine.sglang.urls": ("http://10.0.0.1:30000",)})
-    assert sglang.placement(config)["learner_gpus"] == list(range(8))
+    assert engines.placement(config)["learner_gpus"] == list(range(8))
 
 
 def test_learner_devices_restricted_to_the_rest():
@@ -309,7 +314,7 @@ def test_learner_devices_restricted_to_the_rest():
     config = load_config("configs/spo_qwen3_8b.py")
     before = jax.config.values["jax_cuda_visible_devices"]
     try:
-        assert sglang.restrict_learner_devices(config) == [0, 1, 2, 3]
+        assert engines.restrict_learner_devices(config) == [0, 1, 2, 3]
         assert jax.config.values["jax_cuda_visible_devices"] == "0,1,2,3"
     finally:
         jax.config.update("jax_cuda_visible_devices", before)
@@ -344,7 +349,7 @@ def test_context_overflow_truncates_the_trajectory_and_the_run_goes_on():
     from env.sandbox.pool import SandboxPool
     from rl import sft
     from rl.rollout import Agent, RolloutJob, collect_groups
-    from tests.rollout_configs import rollout_config
+    from tests.owners import rollout_config
 
     tasks = miniswe.generate_tasks(2, seed=7, difficulties=(0,))
     tokenizer = train_bpe(sft.tokenizer_corpus(tasks), 400)
@@ -353,7 +358,7 @@ def test_context_overflow_truncates_the_trajectory_and_the_run_goes_on():
                          max_context=4096, test_timeout_s=30.0, temperature=1.0)
 
     async def body(stubs):
-        client = sglang.SGLangClient([stubs[0].url])
+        client = sglang.SGLangClient([stubs[0].url], sglang_config())
         agent = Agent(client, tokenizer, SandboxPool(factory, 2), cfg, tools_in_prompt=False)
         try:
             groups = await collect_groups(agent, [RolloutJob(t) for t in tasks], 1)
