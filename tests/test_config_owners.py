@@ -10,6 +10,8 @@
   are not there yet; the list can only shrink.
 - No product code reads a run config with a default: `section.get("key", ...)` or
   `getattr(config, "key", ...)`.
+- A section its owner takes whole (WHOLE: a ConfigDict, read key by key) has no key that
+  product code never reads.
 - The model section is a preset and its overrides: `preset` and `hf_path`, then any
   Qwen3Config field (the preset holds the defaults); other keys are refused.
 """
@@ -146,13 +148,51 @@ def test_the_reader_finds_a_default_in_code():
     assert [line.split(":")[0] for line in found] == ["1", "2", "3"]
 
 
-def test_no_product_code_reads_a_config_key_with_a_default():
-    found = []
+def _product_sources() -> dict[str, str]:
+    out = {}
     for part in PRODUCT:
         paths = [os.path.join(ROOT, part)] if part.endswith(".py") else glob.glob(
             os.path.join(ROOT, part, "**", "*.py"), recursive=True)
         for path in paths:
             with open(path) as f:
-                found += [f"{os.path.relpath(path, ROOT)}:{hit}"
-                          for hit in _defaults_in_code(f.read())]
+                out[os.path.relpath(path, ROOT)] = f.read()
+    return out
+
+
+def test_no_product_code_reads_a_config_key_with_a_default():
+    found = [f"{path}:{hit}" for path, source in _product_sources().items()
+             for hit in _defaults_in_code(source)]
     assert found == []
+
+
+# Sections their owners take whole (a ConfigDict read key by key; a missing key raises).
+WHOLE = ("", "distributed", "env", "learner", "learner.loss", "learner.optim", "sft",
+         "tokenizer")
+
+
+def _names_read(source: str) -> set[str]:
+    """Attribute names, keyword names and strings of a module: every way a key is read."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            out.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg:
+            out.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            out.add(node.value)
+    return out
+
+
+def test_the_name_reader_sees_attributes_keywords_and_strings():
+    assert _names_read("a = cfg.lr\nf(b=1)\nc = d['eps']\n") >= {"lr", "b", "eps"}
+    assert "warmup" not in _names_read("warmup_steps = 1\n")
+
+
+@pytest.mark.parametrize("section", WHOLE)
+def test_every_key_of_a_section_taken_whole_is_read(configs, section):
+    """A key no product code reads is a setting that does nothing."""
+    read = set().union(*map(_names_read, _product_sources().values()))
+    for spec, config in configs.items():
+        values = _section(config, section) if section else config
+        keys = {k for k, v in values.items() if not isinstance(v, common.ConfigDict)}
+        assert keys - read == set(), (spec, section)
