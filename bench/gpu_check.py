@@ -428,8 +428,14 @@ def select(jobs: list[Job], only: str) -> list[Job]:
     return [job for job in jobs if not prefixes or job.name.startswith(prefixes)]
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A job runs its module (`python -m` semantics) after restoring SIGINT's KeyboardInterrupt:
+# started from a shell's background job (`nohup ... &`), this process inherits SIGINT
+# ignored, and a Python that starts with it ignored installs no handler, so
+# _stop_group's SIGINT would do nothing. (Not a preexec_fn: a fork of this multithreaded
+# JAX process may deadlock before the exec.)
+_JOB_MAIN = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)"
+             "; sys.argv = sys.argv[1:]; runpy.run_module(sys.argv[0], run_name='__main__', "
+             "alter_sys=True)")
 
 
 def _stop_group(proc: subprocess.Popen) -> None:
@@ -447,16 +453,12 @@ def run_job(job: Job, work: str, timeout_s: float) -> tuple[dict, str]:
     """(the job's JSON, or {"error": ...}; its output) after at most timeout_s seconds."""
     path = os.path.join(work, job.name.replace("/", "_") + ".json")
     output_path = path[:-5] + ".log"
-    argv = [sys.executable, "-m", *(a.replace("{json}", path) for a in job.argv)]
+    argv = [sys.executable, "-c", _JOB_MAIN, *(a.replace("{json}", path) for a in job.argv)]
     start = time.perf_counter()
     with open(output_path, "w") as output:
-        # SIGINT back to its default in the job: started from a shell's background job
-        # (`nohup ... &`), this process inherits SIGINT ignored, and a Python that starts
-        # with it ignored installs no KeyboardInterrupt handler (_stop_group's SIGINT).
         proc = subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **dict(job.env)},
                                 stdout=output, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_default_sigint)
+                                stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             code = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
