@@ -3,6 +3,7 @@ servers (launched if the section asks), and where the learner's GPUs are."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
@@ -15,10 +16,10 @@ from models.qwen3 import Qwen3Config
 KINDS = ("embedded", "sglang")
 
 
-def _sglang(config) -> sglang.SGLangConfig | None:
-    """The section's SGLangConfig when the run's engine is SGLang."""
-    return sglang.SGLangConfig(**config.engine.sglang) if config.engine.kind == "sglang" \
-        else None
+def _sglang(config) -> sglang.SGLangConfig:
+    """The section's SGLangConfig; a run whose engine is not SGLang launches nothing."""
+    sg = sglang.SGLangConfig(**config.engine.sglang)
+    return sg if config.engine.kind == "sglang" else dataclasses.replace(sg, launch=False)
 
 
 def from_config(config, weights: Callable[[], Any], workdir: str,
@@ -41,19 +42,13 @@ def from_config(config, weights: Callable[[], Any], workdir: str,
 def placement(config) -> dict[str, Any]:
     """Which of the host's GPUs launched servers and the learner use
     (inference.sglang.placement; with the embedded engine the learner has them all)."""
-    sg = _sglang(config)
-    if sg is None:
-        total = int(config.engine.sglang.host_gpus)
-        return {"host_gpus": total, "learner_gpus": list(range(total)), "servers": []}
-    return sglang.placement(sg)
+    return sglang.placement(_sglang(config))
 
 
 def restrict_learner_devices(config) -> list[int]:
     """Before JAX starts its backend: the learner's GPU ids, this process's JAX devices
     limited to them when it launches servers beside itself."""
-    sg = _sglang(config)
-    return placement(config)["learner_gpus"] if sg is None else \
-        sglang.restrict_learner_devices(sg)
+    return sglang.restrict_learner_devices(_sglang(config))
 
 
 def launch_commands(config, workdir: str = "WORKDIR") -> list[list[str]]:

@@ -391,7 +391,6 @@ def _split(model) -> tuple[Any, Any]:
     return nnx.split(model, nnx.Param)
 
 
-# Constructor options a config's `engine` section may set (absent ones keep the defaults).
 @dataclasses.dataclass(frozen=True)
 class EmbeddedOptions:
     """The embedded engine's shape: the `engine` section's keys less `kind` and `sglang`

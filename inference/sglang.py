@@ -988,16 +988,19 @@ def connect(sg: SGLangConfig, served: Served, workdir: str) -> SGLangClient:
         check_context(served.max_context, model_config)
     sg = dataclasses.replace(sg, export_dir=sg.export_dir or
                              os.path.join(workdir, "sglang_weights"))
-    urls, started = list(sg.urls), []
-    if not urls:
+    started = []
+    if not sg.urls:
         if not sg.launch:
             raise ValueError("engine.sglang has no urls and launch=False: nothing to connect to")
         model_path = served.hf_path or _export_init(model_config, sg.export_dir, served.seed,
                                                     sg.export_dtype)
         started = launchers(sg, model_path, served.max_context)
-        _start(started)
-        urls = [launcher.url for launcher in started]
-    try:
+    try:  # servers this call started are stopped if any fails to start or to pass
+        for launcher in started:
+            launcher.spawn()
+        for launcher in started:
+            launcher.wait_healthy()
+        urls = list(sg.urls) or [launcher.url for launcher in started]
         for url in urls:
             check_server(url, server_info(url), served.max_context, bool(sg.deterministic))
     except BaseException:
@@ -1007,19 +1010,6 @@ def connect(sg: SGLangConfig, served: Served, workdir: str) -> SGLangClient:
     if not sg.deterministic:
         log.warning("engine.sglang.deterministic=False: sampling is not seeded")
     return SGLangClient(urls, sg, model_config=model_config, launchers=started)
-
-
-def _start(launchers: Sequence[SGLangLauncher]) -> None:
-    """Spawns every server, then waits for each to be healthy; stops all on a failure."""
-    try:
-        for launcher in launchers:
-            launcher.spawn()
-        for launcher in launchers:
-            launcher.wait_healthy()
-    except BaseException:
-        for launcher in launchers:
-            launcher.close()
-        raise
 
 
 def _export_init(model_config, export_dir: str, seed: int, dtype: str) -> str:
