@@ -105,10 +105,10 @@ def main(argv=None) -> None:
     # ------------------------------------------------------------------ config
     config = common.load_config(args.config)
     config = common.apply_overrides(config, common.parse_overrides(args.set))
+    check_config(config)  # before anything is built from it: errors name the keys
     # Launched SGLang servers own their GPUs; the learner's JAX devices are the rest.
     engines.restrict_learner_devices(config)
     distributed.initialize(config.distributed)  # before anything touches a device
-    check_config(config)
     distributed.check_supported(config)
     if args.dry_run:
         print(json.dumps({**dry_run(config), "layout": distributed.layout(config.mesh)},
