@@ -22,10 +22,12 @@ demonstrations only), one SFT warm start per seed shared by every arm
    - the least-squares slope of rollout/fresh_pass_rate over 12 GRPO steps (>= 0.005
      per step).
    Every try is appended to runs/.../gate_tries.json and copied into results/gate.json
-   with what it changed (`--set`, `--note`), so the tuning is on record.
-2. arms (each alone on the machine): GRPO (8 tasks x 8, 48 steps); GRPO + PS at the
-   gate's ratio; the revisit control (ps.revisit: skewed tasks re-run from the start);
-   SPO as a stream (64 x 1, offline start of 2 samples per prompt on its clock), stopped
+   with what it changed (`--set`, `--note`, `--tasks-per-step`), so the tuning is on
+   record.
+2. arms (each alone on the machine): GRPO (8 tasks x 8 unless the passing try chose
+   more tasks per step, 48 steps); GRPO + PS at the gate's ratio; the revisit control
+   (ps.revisit: skewed tasks re-run from the start); SPO as a stream (as many prompts x
+   1, offline start of 2 samples per prompt on its clock), stopped
    at GRPO's wall time; SPO with a barrier (spo.in_flight = batch). Checkpoints every
    `--ckpt-every-s` seconds as well as at the end.
 3. metrics (fixed before the runs; results/seed_claims.json, one figure per question):
@@ -53,8 +55,7 @@ from bench import experiments as ex
 
 RESULTS = os.path.join(ex.ROOT, "results")
 WARM = "configs/default.py:graded,seed={seed}"
-BATCH = ["batch_tasks=8", "group_size=8"]
-SPO_BATCH = ["batch_tasks=64", "group_size=1", "spo.init_samples=2"]
+TASKS, GROUP = 8, 8  # GRPO's tasks per step (tunable at the gate) x rollouts per task
 ARMS = {
     "grpo": "configs/default.py:graded,baseline,seed={seed}",
     "ps": "configs/default.py:graded,seed={seed}",
@@ -62,9 +63,6 @@ ARMS = {
     "spo": "configs/default.py:graded,spo,seed={seed}",
     "spo_barrier": "configs/default.py:graded,spo,seed={seed}",
 }
-# What each arm changes beyond its config spec (the PS ratio comes from the gate).
-ARM_SETS = {"grpo": BATCH, "ps": BATCH, "revisit": BATCH, "spo": SPO_BATCH,
-            "spo_barrier": [*SPO_BATCH, "spo.in_flight=64"]}
 GATE = dict(hist_tasks=64, hist_rollouts=8, mean_low=0.05, mean_high=0.25,
             share_1_2_min=0.30, share_0_max=0.50, prefix_tasks=24, prefix_low=0.3,
             prefix_high=0.7, timing_steps=3, slope_steps=12, slope_min=0.005)
@@ -255,9 +253,18 @@ def warm_start_gate(root: str, seed: int, sets: Sequence[str], prefix_rollouts: 
 # ------------------------------------------------------------------ gate: train.py runs
 
 
-def arm_sets(arm: str, extra: Sequence[str] = (), ps_ratio: float | None = None) -> list[str]:
-    """The `--set`s of one arm: its batch shape, the gate's PS ratio (PS arm), `extra`."""
-    sets = [*ARM_SETS[arm], *extra]
+def arm_sets(arm: str, extra: Sequence[str] = (), ps_ratio: float | None = None,
+             tasks: int = TASKS) -> list[str]:
+    """The `--set`s of one arm: its batch shape (GRPO-like arms `tasks` x GROUP; SPO the
+    same number of rollouts, one per prompt; the barrier waits for all of them), the
+    gate's PS ratio (PS arm), `extra`."""
+    if arm.startswith("spo"):
+        stream = tasks * GROUP
+        sets = [f"batch_tasks={stream}", "group_size=1", "spo.init_samples=2"]
+        sets += [f"spo.in_flight={stream}"] if arm == "spo_barrier" else []
+    else:
+        sets = [f"batch_tasks={tasks}", f"group_size={GROUP}"]
+    sets += extra
     if arm == "ps" and ps_ratio is not None:
         sets.append(f"ps.remaining_ratio={ps_ratio}")
     return sets
@@ -265,7 +272,7 @@ def arm_sets(arm: str, extra: Sequence[str] = (), ps_ratio: float | None = None)
 
 def timing_and_slope(root: str, seed: int, name: str, sets: Sequence[str],
                      ps_ratio: float | None, arms: Sequence[str] = tuple(ARMS),
-                     slope_steps: int | None = None) -> dict:
+                     slope_steps: int | None = None, tasks: int = TASKS) -> dict:
     """3 steps of every arm and 12 GRPO steps (slope_steps), each from the seed's warm
     start, in runs named `{name}_{arm}` (tries sharing a warm start keep their own);
     mean seconds per step (time/step_s) and the slope of the GRPO run's fresh pass
@@ -281,7 +288,7 @@ def timing_and_slope(root: str, seed: int, name: str, sets: Sequence[str],
         out["load"][arm] = load_note()
         pool = ["spo.pool_size=64"] if arm.startswith("spo") else []
         workdir = ex.run_arm(root, run, seed, steps, [*sets, *quiet,
-                                                     *arm_sets(arm, pool, ps_ratio)],
+                                                     *arm_sets(arm, pool, ps_ratio, tasks)],
                              arms={run: ARMS[arm]}, warm=WARM)
         rows = ex.read_metrics(workdir)
         step_s = ex.rl_curve(rows, "time/step_s")[1][:GATE["timing_steps"]]
@@ -301,18 +308,19 @@ def timing_and_slope(root: str, seed: int, name: str, sets: Sequence[str],
 def gate(root: str, seed: int, name: str, sets: Sequence[str], note: str, out: str,
          prefix_rollouts: int = 8, skip_runs: bool = False, warm: str = "",
          reuse: str = "", force_runs: bool = False, arms: Sequence[str] = tuple(ARMS),
-         slope_steps: int | None = None) -> dict:
+         slope_steps: int | None = None, tasks: int = TASKS) -> dict:
     """One try of the gate under root/`warm` (default root/name: its own warm start; a
     try that changes only what runs after SFT names an earlier try's), appended to the
     record of tries and written with all of them to out/gate.json. reuse: take the
     warm-start figures of that earlier try (same warm start and sets) and run the rest.
     force_runs: make the train.py runs even when the warm start fails its criteria
     (their figures for the record). arms, slope_steps: a shorter plan (fewer arms timed,
-    fewer GRPO steps), which can never pass the gate."""
+    fewer GRPO steps), which can never pass the gate. tasks: GRPO's tasks per step (the
+    arms take it from the passing try)."""
     t0 = time.time()
     base = os.path.join(root, warm or name)
     result: dict = {"try": name, "warm_start": warm or name, "seed": seed, "sets": list(sets),
-                    "note": note,
+                    "tasks_per_step": tasks, "note": note,
                     "started": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(t0)),
                     "load_start": load_note(), "uptime": _uptime()}
     earlier = {t["try"]: t for t in _read_json_list(os.path.join(root, "gate_tries.json"))}
@@ -332,7 +340,7 @@ def gate(root: str, seed: int, name: str, sets: Sequence[str], note: str, out: s
     if run:
         result["runs"] = timing_and_slope(base, seed, name, sets,
                                           result["prefix"].get("ps_remaining_ratio"), arms,
-                                          slope_steps)
+                                          slope_steps, tasks)
     result["gate_pass"] = bool(warm_ok and result["runs"].get("slope_pass", False))
     result["wall_s"] = time.time() - t0
     result["load_end"] = load_note()
@@ -361,7 +369,8 @@ def record_try(root: str, out: str, result: dict) -> dict:
     summary = {"gate_pass": bool(passed), "criteria": GATE,
                "chosen": (passed or tries)[-1]["try"],
                "tuned": [{k: t.get(k) for k in ("try", "sets", "note", "gate_pass")}
-                         | {"hist_mean": t["histogram"]["mean"],
+                         | {"tasks_per_step": t.get("tasks_per_step", TASKS),
+                            "hist_mean": t["histogram"]["mean"],
                             "hist_share_1_2": t["histogram"]["share_1_2"],
                             "hist_share_0": t["histogram"]["share_0"],
                             "prefix_in_band": t["prefix"]["steps_left_in_band"],
@@ -386,15 +395,16 @@ def run_arms(root: str, seeds: Sequence[int], steps: int, sets: Sequence[str], g
     its wall time then bounds both SPO arms. The gate's settings and PS ratio apply."""
     chosen = gate_json.get("result", {})
     ps_ratio = chosen.get("prefix", {}).get("ps_remaining_ratio")
+    tasks = chosen.get("tasks_per_step", TASKS)
     base = [*chosen.get("sets", []), *sets, *RUN_SETS, f"ckpt_every_s={ckpt_every_s}"]
     done: dict = {}
     for seed in seeds:
-        grpo = ex.run_arm(root, "grpo", seed, steps, arm_sets("grpo", base), ARMS, WARM)
+        grpo = ex.run_arm(root, "grpo", seed, steps, arm_sets("grpo", base, tasks=tasks), ARMS, WARM)
         wall = _read_json(os.path.join(grpo, "run.json"))["wall_s"]
         for arm in ("ps", "revisit"):
-            ex.run_arm(root, arm, seed, steps, arm_sets(arm, base, ps_ratio), ARMS, WARM)
+            ex.run_arm(root, arm, seed, steps, arm_sets(arm, base, ps_ratio, tasks), ARMS, WARM)
         for arm in ("spo", "spo_barrier"):  # as many steps as GRPO's wall clock allows
-            ex.run_arm(root, arm, seed, 100 * steps, arm_sets(arm, base), ARMS, WARM,
+            ex.run_arm(root, arm, seed, 100 * steps, arm_sets(arm, base, tasks=tasks), ARMS, WARM,
                        timeout_s=wall)
         done[seed] = {arm: os.path.join(root, f"seed{seed}", arm) for arm in ARMS}
     return done
@@ -706,6 +716,8 @@ def main(argv=None) -> dict:
                    help="gate: the arms timed (all of them for a passing gate)")
     p.add_argument("--slope-steps", type=int, default=None,
                    help="gate: GRPO steps of the slope run (12 for a passing gate)")
+    p.add_argument("--tasks-per-step", type=int, default=TASKS,
+                   help="gate: GRPO's tasks per step (x 8 rollouts; SPO streams as many)")
     p.add_argument("--warm-only", action="store_true",
                    help="gate: the warm start's measurements only (no train.py runs)")
     p.add_argument("--seeds", default="10,11,12,13", help="arms, metrics: training seeds")
@@ -721,7 +733,8 @@ def main(argv=None) -> dict:
     if args.stage == "gate":
         result = gate(args.root, args.seed, args.try_name, args.set, args.note, args.out,
                       args.prefix_rollouts, args.warm_only, args.warm_from, args.reuse,
-                      args.force_runs, args.timing_arms.split(","), args.slope_steps)
+                      args.force_runs, args.timing_arms.split(","), args.slope_steps,
+                      args.tasks_per_step)
         print(json.dumps({k: result[k] for k in ("gate_pass", "chosen", "tuned")}, indent=1))
         return result
     seeds = [int(s) for s in args.seeds.split(",")]

@@ -181,6 +181,17 @@ def test_every_arm_config_is_valid_and_shaped_as_the_plan(arm):
         assert config.ps.remaining_ratio == (0.55 if arm == "ps" else 0.6)
 
 
+def test_tasks_per_step_sizes_every_arm_alike():
+    """A gate try with 16 tasks per step: GRPO-like arms 16 x 8, SPO streams 128 prompts
+    x 1 and its barrier waits for all 128."""
+    def shape(arm):
+        kv = dict(s.split("=") for s in sc.arm_sets(arm, tasks=16))
+        return kv["batch_tasks"], kv["group_size"], kv.get("spo.in_flight")
+
+    assert shape("grpo") == shape("ps") == shape("revisit") == ("16", "8", None)
+    assert shape("spo") == ("128", "1", None) and shape("spo_barrier") == ("128", "1", "128")
+
+
 def test_every_try_is_recorded_and_the_passing_one_chosen(tmp_path):
     def try_(name, passed, mean):
         return {"try": name, "sets": [f"sft.steps={name}"], "note": name, "gate_pass": passed,
