@@ -399,7 +399,8 @@ def run_arms(root: str, seeds: Sequence[int], steps: int, sets: Sequence[str], g
     base = [*chosen.get("sets", []), *sets, *RUN_SETS, f"ckpt_every_s={ckpt_every_s}"]
     done: dict = {}
     for seed in seeds:
-        grpo = ex.run_arm(root, "grpo", seed, steps, arm_sets("grpo", base, tasks=tasks), ARMS, WARM)
+        grpo = ex.run_arm(root, "grpo", seed, steps, arm_sets("grpo", base, tasks=tasks), ARMS,
+                          WARM)
         wall = _read_json(os.path.join(grpo, "run.json"))["wall_s"]
         for arm in ("ps", "revisit"):
             ex.run_arm(root, arm, seed, steps, arm_sets(arm, base, ps_ratio, tasks), ARMS, WARM)

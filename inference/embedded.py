@@ -45,6 +45,8 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import gc
+import logging
 import os
 import threading
 import time
@@ -59,6 +61,8 @@ from flax import nnx
 from inference.engine import Engine, EngineError, GenerateRequest, GenerateResult
 from inference.sampling import sample_tokens
 from models import hf_io, qwen3
+
+log = logging.getLogger(__name__)
 
 
 def bucket(n: int, cap: int, minimum: int = 1, step: int = 0) -> int:
@@ -391,6 +395,59 @@ def _split(model) -> tuple[Any, Any]:
     return nnx.split(model, nnx.Param)
 
 
+def max_map_count(path: str = "/proc/sys/vm/max_map_count") -> int | None:
+    """The kernel's limit on one process's memory mappings (None where unreadable)."""
+    try:
+        with open(path) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def map_count(path: str = "/proc/self/maps") -> int:
+    """This process's memory mappings now."""
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+class MapBudget:
+    """Keeps the process's memory mappings under the kernel's limit by dropping jitted
+    functions' compiled executables.
+
+    XLA:CPU loads each kernel of an executable as an object of its own (code, data and
+    read-only pages: three mappings), so one prefill or decode executable of the graded
+    family's 2-layer model holds about 500 of the process's mappings. A run of 16 x 8
+    rollouts compiled 81 engine shapes in its first step and held 68,500 mappings by
+    step 12: past Linux's default vm.max_map_count (65,530) LLVM fails with "Cannot
+    allocate memory" and the run dies. After a call that compiled (a jit cache grew),
+    once the mappings pass `share` of the limit, every cache is cleared and the next
+    calls recompile the shapes they use. `clears` counts the clearings."""
+
+    def __init__(self, fns: Sequence[Any], share: float = 0.75, limit: int | None = None):
+        self.fns, self.share = list(fns), share
+        self.limit = max_map_count() if limit is None else limit
+        self.clears = 0
+        self._cached = self._cache_size()
+
+    def _cache_size(self) -> int:
+        return sum(f._cache_size() for f in self.fns)
+
+    def check(self) -> None:
+        if not self.limit:
+            return
+        cached = self._cache_size()
+        grew, self._cached = cached > self._cached, cached
+        if not grew or (n := map_count()) < self.share * self.limit:
+            return
+        for f in self.fns:
+            f.clear_cache()
+        gc.collect()  # an executable can sit in a reference cycle
+        self._cached, self.clears = 0, self.clears + 1
+        log.warning("%d memory mappings of at most %d (vm.max_map_count): cleared %d compiled "
+                    "engine shapes (clearing %d); raising vm.max_map_count avoids the "
+                    "recompilations", n, self.limit, cached, self.clears)
+
+
 @dataclasses.dataclass(frozen=True)
 class EmbeddedOptions:
     """The embedded engine's shape: the `engine` section's keys less `kind` and `sglang`
@@ -431,6 +488,7 @@ class EmbeddedEngine(Engine):
         self._head = self._head_fn(self.params)
         self._copy_fn = jax.jit(_copy_prefix, static_argnames=("window",),
                                 donate_argnums=(0, 1))
+        self.map_budget = MapBudget([self._prefill_fn, self._decode_fn, self._copy_fn])
         self.cfg = nnx.merge(self.graphdef, self.params).cfg
         self.vocab_size = int(self.cfg.vocab_size)
         o = options
@@ -578,6 +636,7 @@ class EmbeddedEngine(Engine):
                     self._prefill_all(weights, [r for r, _, _ in followers])
                 if self._rows:
                     self._decode(weights)
+                self.map_budget.check()
             except Exception as e:  # noqa: BLE001 - every waiting caller must hear of it
                 self._fail(e, admitted)
         _deliver_all([(row.pending.future, GenerateResult([], [], "abort"))

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from inference.embedded import _PREFILL_CALL_TOKENS, EmbeddedEngine, bucket, prefill_groups
+from inference.embedded import (
+    _PREFILL_CALL_TOKENS,
+    EmbeddedEngine,
+    MapBudget,
+    bucket,
+    map_count,
+    prefill_groups,
+)
 from inference.engine import GenerateRequest
 from inference.sampling import (
     first_argmax,
@@ -209,6 +216,48 @@ def test_update_weights_from_params_and_hf_dir(model, tmp_path):
         wrong = jax.tree.map(lambda x: x[:1], nnx.state(other, nnx.Param))
         with pytest.raises(ValueError, match="shape"):
             run(eng.update_weights(wrong))
+
+
+def test_map_budget_clears_compiled_shapes_past_its_share_of_the_limit():
+    """A call that compiled, with the process's mappings past share x limit, clears the
+    caches and the mappings fall; with nothing compiled since the last check, or no
+    readable limit, nothing is cleared."""
+    f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum(0) * jnp.cos(x).mean())
+    for n in range(3, 7):
+        f(jnp.ones((n, 5)))
+    idle = MapBudget([f], share=1.0, limit=map_count() + 1)
+    idle.check()  # past the limit, but nothing compiled since it was made
+    assert idle.clears == 0 and f._cache_size() == 4
+    budget = MapBudget([f], share=1.0, limit=map_count() + 1)
+    f(jnp.ones((7, 5)))
+    held = map_count()
+    budget.check()
+    assert budget.clears == 1 and f._cache_size() == 0 and map_count() < held
+    f(jnp.ones((3, 5)))
+    budget.check()  # compiled, but under the limit again
+    assert budget.clears == 1 and f._cache_size() == 1
+    off = MapBudget([f], limit=0)
+    f(jnp.ones((4, 5)))
+    off.check()
+    assert off.clears == 0 and f._cache_size() == 2
+
+
+def test_clearing_compiled_shapes_changes_no_output(model, engine):
+    """An engine whose budget is nearly spent clears its shapes again and again while
+    serving, and returns what the unconstrained engine returns."""
+    reqs = _mixed_requests(24)
+
+    async def together(eng):
+        return await asyncio.gather(*(eng.generate([r]) for r in reqs))
+
+    with EmbeddedEngine(model, engine_options(max_batch=32, max_len=64, min_batch=8,
+                                              min_len=32, min_cache_len=64), seed=0) as tight:
+        tight.map_budget.share, tight.map_budget.limit = 1.0, map_count() + 50
+        got, want = run(together(tight)), run(together(engine))
+        assert tight.map_budget.clears >= 2
+    for (a,), (b,) in zip(got, want, strict=True):
+        assert a.output_ids == b.output_ids
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
 def _conversations(engine, turns: int, n: int, temperature: float):
