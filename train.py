@@ -44,6 +44,7 @@ from rl.checkpoint import Checkpointer
 from rl.metrics import (
     MetricWriter,
     console_line,
+    group_outcomes,
     histograms,
     lag_metrics,
     progress,
@@ -404,9 +405,10 @@ class Run:
         writer.write_scalars(step, metrics)
         writer.write_histograms(step, {**histograms(groups),
                                        **({"async/lag": lags} if lags.size else {})})
-        # Which rollouts this step consumed (task:seed), for auditing a resumed run.
+        # Which rollouts this step consumed (task:seed), for auditing a resumed run, and
+        # each group's outcome (prefix kind and k, successes of scored).
         writer.write_texts(step, {"rollout/consumed": " ".join(
-            f"{t.task_id}:{t.seed}" for t in trajs)})
+            f"{t.task_id}:{t.seed}" for t in trajs), "rollout/groups": group_outcomes(groups)})
         if step % self.config.log_texts_every == 0 and trajs:
             writer.write_texts(step, {"rollout/sample": self.agent.tokenizer.decode(
                 trajs[0].token_arrays()[0])})

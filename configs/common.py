@@ -410,7 +410,8 @@ RANGES: dict[str, str] = {
     "learner.rows_multiple": "[1, inf)",
     "learner.temperature": "(0, inf)", "learner.seed": "[0, inf)",
     "learner.row_buckets": "[1, inf)",
-    "learner.optim.lr": "(0, inf)", "learner.optim.warmup_steps": "[0, inf)",
+    # lr 0 freezes the policy: arms that differ only in how they collect.
+    "learner.optim.lr": "[0, inf)", "learner.optim.warmup_steps": "[0, inf)",
     "learner.optim.decay_steps": "[0, inf)", "learner.optim.end_lr_frac": "[0, 1]",
     "learner.optim.b1": "[0, 1)", "learner.optim.b2": "[0, 1)", "learner.optim.eps": "(0, inf)",
     "learner.optim.weight_decay": "[0, inf)", "learner.optim.max_grad_norm": "[0, inf)",

@@ -329,6 +329,18 @@ def histograms(groups: Sequence[Sequence[Trajectory]]) -> dict[str, np.ndarray]:
     return {k: np.asarray(v, np.float64) for k, v in out.items() if v}
 
 
+def group_outcomes(groups: Sequence[Sequence[Trajectory]]) -> str:
+    """One step's groups as JSON, for per-group analyses (the pass rate of every prefix
+    group, say): [task id, prefix kind or null, prefix k, successes, scored] each."""
+    rows = []
+    for g in groups:
+        scored = [t for t in g if t.is_scored]
+        p = g[0].prefix if g else None
+        rows.append([g[0].task_id if g else "", p.kind if p else None, p.k if p else 0,
+                     int(sum(t.reward for t in scored)), len(scored)])
+    return json.dumps(rows, separators=(",", ":"))
+
+
 def console_line(step: int, m: Mapping[str, float]) -> str:
     """One line per RL step: pass rate, group outcomes, throughput and phase times."""
     get = lambda k, default=float("nan"): m.get(k, default)
