@@ -1,13 +1,16 @@
 """The seeds' three mechanism claims, measured on a frozen warm start (no learning needed).
 
-    python -m bench.mechanism_claims runs [--seeds 0,1,2,3] [--steps 12] [--root DIR]
-    python -m bench.mechanism_claims stream [--reps 20] [--sigmas 0,0.5,1,1.5,2] [--median-s 0.25]
-    python -m bench.mechanism_claims report [--out results]
+    python -m bench.mechanism_claims all [--seeds 0,1,2,3] [--steps 12] [--reps 20]
+        [--sigmas 0,0.5,1,1.5,2] [--median-s 0.25] [--root DIR]   (or: runs, stream, report)
 
 The warm start is the graded family's (configs/default.py:graded) with SFT 256 steps and
 rollouts at T=0.4: the recipe that passed the gate's histogram and prefix criteria
-(results/gate.json, try sft256_t04), made once per seed (bench.experiments layout under
---root). Every run has learning rate 0, so its arms differ only by how they collect.
+(results/gate.json, try sft256_t04), made for the first seed (bench.experiments layout
+under --root). The policy is frozen: every arm and seed runs in this one process on
+that warm start's engine and sandboxes, through the algorithm's own collect and
+bookkeeping (rl.algos: the task sampler of the seed, prefix tasks, the controller)
+with no update, so arms differ only by how they collect and seeds by their tasks and
+samples. Runs and settings are cached under --root and skipped when repeated.
 
 1. Prefix-task pass rate (seed 000: 0.529 +- 0.078). GRPO + Prefix Sampling with the
    adaptive controller (starting at the gate's ps.remaining_ratio), `--steps` steps of
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import glob
 import json
 import math
@@ -54,7 +58,6 @@ from bench import seed_claims as sc
 ROOT = os.path.join(ex.ROOT, "runs", "mechanism")
 GATE_TRY = "sft256_t04"  # results/gate.json: the try whose warm start passed
 WARM_SETS = ["env.eval_tasks=24", "rollout.temperature=0.4", "sft.steps=256"]
-FROZEN = ["learner.optim.lr=0", *sc.RUN_SETS, "env.eval_tasks=1"]
 ARMS = ("grpo", "ps", "revisit")
 SEED_TAIL_LOG_SD = math.log(486 / 112) / 1.38  # the spread behind the seed's 4.35x
 STREAM = dict(groups_in_flight=6, group_size=8, groups_needed=3, stream_in_flight=48,
@@ -64,10 +67,15 @@ STREAM = dict(groups_in_flight=6, group_size=8, groups_needed=3, stream_in_fligh
 # ------------------------------------------------------------------ 1, 2: frozen runs
 
 
-def arm_sets(arm: str, ps_ratio: float) -> list[str]:
-    """The `--set`s of one frozen arm: 8 tasks x 8, lr 0; PS adaptive from the gate's ratio."""
-    extra = ["ps.adaptive=True"] if arm == "ps" else []
-    return [*WARM_SETS, *sc.arm_sets(arm, [*FROZEN, *extra], ps_ratio)]
+def arm_config(arm: str, seed: int, ps_ratio: float):
+    """One frozen arm's config: the warm start's settings, 8 tasks x 8 per step, the arm's
+    options (PS: adaptive, from the gate's ratio) and the seed."""
+    from configs import common
+
+    sets = [*WARM_SETS, *sc.arm_sets(arm, ["ps.adaptive=True"] if arm == "ps" else [],
+                                     ps_ratio)]
+    return common.apply_overrides(common.load_config(sc.ARMS[arm].format(seed=seed)),
+                                  common.parse_overrides(sets))
 
 
 def gate_ratio(gate_json: dict) -> float:
@@ -76,12 +84,60 @@ def gate_ratio(gate_json: dict) -> float:
     return float(tried[GATE_TRY]["prefix"]["ps_remaining_ratio"])
 
 
-def run_frozen(root: str, seeds: Sequence[int], steps: int, ps_ratio: float) -> None:
-    """Every arm of every seed from the seed's warm start (finished runs are kept)."""
-    for seed in seeds:
-        ex.warm_start(root, seed, WARM_SETS, sc.WARM)
-        for arm in ARMS:
-            ex.run_arm(root, arm, seed, steps, arm_sets(arm, ps_ratio), sc.ARMS, sc.WARM)
+async def frozen_run(agent, train_tasks, config, steps: int) -> tuple[dict, list]:
+    """`steps` steps of the algorithm `config` names on the frozen policy: its collection
+    and its bookkeeping (prefix tasks, the controller), no update. Returns step -> its
+    groups as train.py records them (rl.metrics.group_outcomes), and [task, class] of
+    every failed rollout of a fresh task (bench.taxonomy)."""
+    from bench.taxonomy import classify
+    from rl import algos
+    from rl.metrics import group_outcomes
+
+    algo = algos.build(algos.Context(config, agent, train_tasks, score=None))
+    by_id = {t.instance_id: t for t in train_tasks}
+    records, failures = {}, []
+    try:
+        for step in range(1, steps + 1):
+            t0 = time.perf_counter()
+            groups = await algo.collect(step)
+            algo.advantages(step, groups)
+            records[step] = json.loads(group_outcomes(groups))
+            failures += [[t.task_id, classify(t.turns, t.status, by_id[t.task_id].metadata["bugs"])]
+                         for g in groups for t in g
+                         if t.is_scored and t.reward == 0 and t.prefix is None]
+            print(f"{time.strftime('%H:%M:%S')} step {step}: {time.perf_counter() - t0:.0f} s,"
+                  f" {[r[1:] for r in records[step]]}", flush=True)
+    finally:
+        await algo.close()
+    return records, failures
+
+
+async def run_frozen(root: str, agent, train_tasks, seeds: Sequence[int], steps: int,
+                     ps_ratio: float) -> None:
+    """Every arm of every seed: GRPO and PS seed by seed, then the revisit control (so
+    that a run cut short leaves paired seeds of the main comparison); each run cached as
+    root/frozen/{arm}_seed{seed}_steps{steps}.json."""
+    plan = [(arm, seed) for seed in seeds for arm in ("grpo", "ps")]
+    for arm, seed in [*plan, *((a, s) for s in seeds for a in ARMS if (a, s) not in plan)]:
+        path = os.path.join(root, "frozen", f"{arm}_seed{seed}_steps{steps}.json")
+        if os.path.exists(path):
+            continue
+        print(f"{time.strftime('%H:%M:%S')} {arm}, seed {seed}", flush=True)
+        t0 = time.perf_counter()
+        records, failures = await frozen_run(agent, train_tasks,
+                                             arm_config(arm, seed, ps_ratio), steps)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"arm": arm, "seed": seed, "steps": steps, "ps_ratio": ps_ratio,
+                       "wall_s": time.perf_counter() - t0, "load": sc.load_note(),
+                       "records": records, "failures": failures}, f)
+        os.replace(path + ".tmp", path)
+
+
+def read_frozen(root: str, arm: str, seed: int, steps: int) -> dict[int, list[list]]:
+    path = os.path.join(root, "frozen", f"{arm}_seed{seed}_steps{steps}.json")
+    records = sc._read_json(path).get("records", {})
+    return {int(k): v for k, v in records.items()}
 
 
 def group_records(workdir: str) -> dict[int, list[list]]:
@@ -113,40 +169,46 @@ def solve_partial(records: dict[int, list[list]]) -> list[int]:
     return [sum(0 < s < m for *_, s, m in groups) for _, groups in sorted(records.items())]
 
 
-def frozen_figures(root: str, seeds: Sequence[int]) -> dict:
-    """Claims 1 and 2 from the runs that exist for every arm."""
-    recs = {arm: {s: group_records(os.path.join(root, f"seed{s}", arm)) for s in seeds}
-            for arm in ARMS}
-    seeds = [s for s in seeds if all(recs[a][s] for a in ARMS)]
-    rates = {s: prefix_group_rates(recs["ps"][s]) for s in seeds}
-    pooled = np.array([r for s in seeds for rs in rates[s].values() for r in rs])
-    by_step: dict[int, list[float]] = {}
-    for s in seeds:
-        for step, rs in rates[s].items():
-            by_step.setdefault(step, []).extend(rs)
-    partial = {arm: {s: solve_partial(recs[arm][s]) for s in seeds} for arm in ARMS}
-    mean_partial = {arm: np.array([np.mean(partial[arm][s]) for s in seeds]) for arm in ARMS}
+def prefix_figures(ps: dict[int, dict[int, list[list]]]) -> dict:
+    """Claim 1 from the PS arm's records (seed -> step -> groups)."""
+    rates = {s: prefix_group_rates(r) for s, r in ps.items()}
+    pooled = np.array([r for by_step in rates.values() for rs in by_step.values() for r in rs])
+    steps: dict[int, list[float]] = {}
+    for by_step in rates.values():
+        for step, rs in by_step.items():
+            steps.setdefault(step, []).extend(rs)
     return {
-        "seeds": seeds,
-        "prefix_groups": int(pooled.size),
+        "seeds": sorted(ps), "prefix_groups": int(pooled.size),
         "prefix_pass_rate_mean": float(pooled.mean()) if pooled.size else None,
         "prefix_pass_rate_sd": float(pooled.std(ddof=1)) if pooled.size > 1 else None,
         "prefix_pass_rate_by_step": {str(k): {"mean": float(np.mean(v)), "groups": len(v)}
-                                     for k, v in sorted(by_step.items()) if v},
-        "prefix_pass_rate_by_kind": {kind: _pooled([prefix_group_rates(recs["ps"][s], (kind,))
-                                                    for s in seeds])
-                                     for kind in ("too_hard", "too_easy")},
-        "solve_partial_per_step": {arm: {str(s): partial[arm][s] for s in seeds}
-                                   for arm in ARMS},
-        "solve_partial_mean": {arm: float(mean_partial[arm].mean()) for arm in ARMS},
-        "solve_partial_ratio": {arm: sc.ratio_ci(mean_partial[arm], mean_partial["grpo"])
-                                for arm in ("ps", "revisit")},
-        "fresh_pass_rate": {arm: float(np.mean([s_ / m for s in seeds for g in
-                                                recs[arm][s].values()
-                                                for _, kind, _, s_, m in g
-                                                if kind is None and m]))
-                            for arm in ARMS},
-    }
+                                     for k, v in sorted(steps.items()) if v},
+        "prefix_pass_rate_by_kind": {kind: _pooled([prefix_group_rates(r, (kind,))
+                                                    for r in ps.values()])
+                                     for kind in ("too_hard", "too_easy")}}
+
+
+def partial_figures(recs: dict[str, dict[int, dict]], arm: str) -> dict:
+    """Claim 2 for `arm` against GRPO on the seeds both ran: mixed-outcome groups per
+    step, the ratio of the seed means with a seed-paired bootstrap CI."""
+    seeds = sorted(s for s in recs[arm] if s in recs["grpo"])
+    per_step = {a: {s: solve_partial(recs[a][s]) for s in seeds} for a in ("grpo", arm)}
+    means = {a: np.array([np.mean(v[s]) for s in seeds]) for a, v in per_step.items()}
+    return {**sc.ratio_ci(means[arm], means["grpo"]), "seed_list": seeds,
+            "per_step": {a: {str(s): v[s] for s in seeds} for a, v in per_step.items()},
+            "mean": {a: float(m.mean()) if m.size else None for a, m in means.items()}}
+
+
+def frozen_figures(root: str, seeds: Sequence[int], steps: int) -> dict:
+    """Claims 1 and 2 from the runs there are (a seed's arm counts once it finished)."""
+    recs = {arm: {s: r for s in seeds if (r := read_frozen(root, arm, s, steps))}
+            for arm in ARMS}
+    fresh = {arm: [s_ / m for by_step in recs[arm].values() for g in by_step.values()
+                   for _, kind, _, s_, m in g if kind is None and m] for arm in ARMS}
+    return {"seeds": sorted(recs["ps"]), "steps": steps, **prefix_figures(recs["ps"]),
+            "solve_partial": {arm: partial_figures(recs, arm) for arm in ("ps", "revisit")},
+            "fresh_pass_rate": {arm: float(np.mean(v)) if v else None
+                                for arm, v in fresh.items()}}
 
 
 def _pooled(per_seed: Sequence[dict[int, list[float]]]) -> dict:
@@ -221,32 +283,40 @@ def summarize_setting(rows: Sequence[dict], latency: dict) -> dict:
             "load": sc.load_note()}
 
 
-def run_stream(root: str, seed: int, sigmas: Sequence[float], median_s: float,
-               reps: int) -> list[dict]:
-    """Every latency setting (cached per setting under root/stream/)."""
-    from configs import common
+async def run_stream(root: str, agent, train_tasks, seed: int, sigmas: Sequence[float],
+                     median_s: float, reps: int) -> None:
+    """Every latency setting, cached as root/stream/m{median_s}_s{sigma}_r{reps}.json."""
     from env.latency import LatencyConfig, LatencyModel
+
+    try:
+        for sigma in sigmas:
+            latency = dict(median_s=median_s, sigma=sigma, slow_share=0.0, slow_factor=1.0)
+            path = os.path.join(root, "stream", f"m{median_s}_s{sigma}_r{reps}.json")
+            if os.path.exists(path):
+                continue
+            agent.latency = LatencyModel(LatencyConfig(**latency), seed)
+            rows = await stream_setting(agent, train_tasks, reps, 0)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump({"rows": rows, **summarize_setting(rows, latency)}, f)
+    finally:
+        agent.latency = None
+
+
+@contextlib.contextmanager
+def frozen_agent(root: str, seed: int):
+    """(agent, training tasks) of the seed's warm start (made if missing), closed after."""
+    from configs import common
 
     workdir = ex.warm_start(root, seed, WARM_SETS, sc.WARM)
     config = common.apply_overrides(common.load_config(sc.WARM.format(seed=seed)),
                                     common.parse_overrides(WARM_SETS))
     agent, train_tasks = sc.load_agent(config, workdir)
-    out = []
     try:
-        for sigma in sigmas:
-            latency = dict(median_s=median_s, sigma=sigma, slow_share=0.0, slow_factor=1.0)
-            path = os.path.join(root, "stream", f"m{median_s}_s{sigma}_r{reps}.json")
-            if not os.path.exists(path):
-                agent.latency = LatencyModel(LatencyConfig(**latency), seed)
-                rows = asyncio.run(stream_setting(agent, train_tasks, reps, 0))
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                with open(path, "w") as f:
-                    json.dump({"rows": rows, **summarize_setting(rows, latency)}, f)
-            out.append({k: v for k, v in sc._read_json(path).items() if k != "rows"})
+        yield agent, train_tasks
     finally:
         agent.close()
         agent.engine.close()
-    return out
 
 
 def stream_figures(settings: Sequence[dict]) -> dict:
@@ -261,6 +331,19 @@ def stream_figures(settings: Sequence[dict]) -> dict:
 # ------------------------------------------------------------------ report, entry
 
 
+def taxonomy(root: str, seeds: Sequence[int], steps: int) -> dict:
+    """bench.taxonomy's table of the GRPO arm's failed rollouts (fresh tasks of the frozen
+    warm start), in all and by difficulty (the task id's `-d<k>` suffix)."""
+    from bench.taxonomy import table
+
+    fails = [f for s in seeds for f in sc._read_json(os.path.join(
+        root, "frozen", f"grpo_seed{s}_steps{steps}.json")).get("failures", [])]
+    out = {"warm_start": GATE_TRY, "arm": "grpo (frozen)", "all": table([c for _, c in fails])}
+    for d in sorted({t.rsplit("-d", 1)[-1] for t, _ in fails}):
+        out[f"difficulty_{d}"] = table([c for t, c in fails if t.endswith(f"-d{d}")])
+    return out
+
+
 def write_results(out: str, frozen: dict | None, stream: dict | None) -> dict:
     """Merges the claims' keys into out/seed_claims.json (other keys kept)."""
     path = os.path.join(out, "seed_claims.json")
@@ -270,8 +353,8 @@ def write_results(out: str, frozen: dict | None, stream: dict | None) -> dict:
         mech["frozen"] = frozen
         result.update(prefix_pass_rate_mean=frozen["prefix_pass_rate_mean"],
                       prefix_pass_rate_sd=frozen["prefix_pass_rate_sd"],
-                      solve_partial_ratio=frozen["solve_partial_ratio"]["ps"]["ratio"],
-                      solve_partial_ratio_ci_low=frozen["solve_partial_ratio"]["ps"]["ci_low"])
+                      solve_partial_ratio=frozen["solve_partial"]["ps"]["ratio"],
+                      solve_partial_ratio_ci_low=frozen["solve_partial"]["ps"]["ci_low"])
     if stream is not None:
         mech["stream"] = stream
         result.update(stream_speedup=stream["chosen"]["speedup"]["ratio"],
@@ -283,9 +366,18 @@ def write_results(out: str, frozen: dict | None, stream: dict | None) -> dict:
     return result
 
 
+async def measure(args, agent, train_tasks, seeds: Sequence[int], ps_ratio: float) -> None:
+    """The stage's runs, in one event loop (the agent's)."""
+    if args.stage in ("runs", "all"):
+        await run_frozen(args.root, agent, train_tasks, seeds, args.steps, ps_ratio)
+    if args.stage in ("stream", "all"):
+        await run_stream(args.root, agent, train_tasks, seeds[0],
+                         [float(s) for s in args.sigmas.split(",")], args.median_s, args.reps)
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=("runs", "stream", "report"))
+    p.add_argument("stage", choices=("runs", "stream", "all", "report"))
     p.add_argument("--root", default=ROOT)
     p.add_argument("--out", default=sc.RESULTS)
     p.add_argument("--seeds", default="0,1,2,3")
@@ -295,19 +387,20 @@ def main(argv=None) -> dict:
     p.add_argument("--median-s", type=float, default=0.25)
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    sigmas = [float(s) for s in args.sigmas.split(",")]
-    if args.stage == "runs":
-        gate_json = sc._read_json(os.path.join(args.out, "gate.json"))
-        run_frozen(args.root, seeds, args.steps, gate_ratio(gate_json))
-    if args.stage == "stream":
-        run_stream(args.root, seeds[0], sigmas, args.median_s, args.reps)
-    frozen = frozen_figures(args.root, seeds) if args.stage != "stream" else None
-    stream = None
-    if args.stage != "runs":
-        cached = sorted(glob.glob(os.path.join(args.root, "stream", f"m{args.median_s}_*.json")))
-        settings = [{k: v for k, v in sc._read_json(c).items() if k != "rows"} for c in cached]
-        stream = stream_figures(settings) if settings else None
-    result = write_results(args.out, frozen if frozen and frozen["seeds"] else None, stream)
+    if args.stage != "report":
+        ratio = gate_ratio(sc._read_json(os.path.join(args.out, "gate.json")))
+        with frozen_agent(args.root, seeds[0]) as (agent, train_tasks):
+            asyncio.run(measure(args, agent, train_tasks, seeds, ratio))
+    frozen = frozen_figures(args.root, seeds, args.steps)
+    cached = sorted(glob.glob(os.path.join(args.root, "stream", f"m{args.median_s}_*.json")))
+    settings = [{k: v for k, v in sc._read_json(c).items() if k != "rows"} for c in cached]
+    result = write_results(args.out, frozen if frozen["seeds"] else None,
+                           stream_figures(settings) if settings else None)
+    if frozen["seeds"]:
+        path = os.path.join(args.out, "taxonomy.json")
+        tables = {**sc._read_json(path), GATE_TRY: taxonomy(args.root, seeds, args.steps)}
+        with open(path, "w") as f:
+            json.dump(tables, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "mechanism"}, indent=1))
     return result
 

@@ -64,3 +64,4 @@ def test_the_chosen_stream_setting_is_the_one_nearest_the_seeds_tail():
                 for s, sd, r in [(0.0, 0.3, 1.2), (1.0, 0.9, 2.5), (2.0, 1.6, 4.0)]]
     assert math.isclose(mc.SEED_TAIL_LOG_SD, math.log(486 / 112) / 1.38)
     assert mc.stream_figures(settings)["chosen"]["latency"]["sigma"] == 1.0
+
