@@ -89,7 +89,7 @@ async def frozen_run(agent, train_tasks, config, steps: int) -> tuple[dict, list
     and its bookkeeping (prefix tasks, the controller), no update. Returns step -> its
     groups as train.py records them (rl.metrics.group_outcomes), and [task, class] of
     every failed rollout of a fresh task (bench.taxonomy)."""
-    from bench.taxonomy import classify
+    from bench.taxonomy import first_mistake
     from rl import algos
     from rl.metrics import group_outcomes
 
@@ -102,7 +102,8 @@ async def frozen_run(agent, train_tasks, config, steps: int) -> tuple[dict, list
             groups = await algo.collect(step)
             algo.advantages(step, groups)
             records[step] = json.loads(group_outcomes(groups))
-            failures += [[t.task_id, classify(t.turns, t.status, by_id[t.task_id].metadata["bugs"])]
+            failures += [[t.task_id, *first_mistake(t.turns, t.status,
+                                                    by_id[t.task_id].metadata["bugs"])]
                          for g in groups for t in g
                          if t.is_scored and t.reward == 0 and t.prefix is None]
             print(f"{time.strftime('%H:%M:%S')} step {step}: {time.perf_counter() - t0:.0f} s,"
@@ -338,10 +339,50 @@ def taxonomy(root: str, seeds: Sequence[int], steps: int) -> dict:
 
     fails = [f for s in seeds for f in sc._read_json(os.path.join(
         root, "frozen", f"grpo_seed{s}_steps{steps}.json")).get("failures", [])]
-    out = {"warm_start": GATE_TRY, "arm": "grpo (frozen)", "all": table([c for _, c in fails])}
-    for d in sorted({t.rsplit("-d", 1)[-1] for t, _ in fails}):
-        out[f"difficulty_{d}"] = table([c for t, c in fails if t.endswith(f"-d{d}")])
+    out = {"warm_start": GATE_TRY, "arm": "grpo (frozen)", "seeds": list(seeds),
+           "all": table([f[1] for f in fails])}
+    for d in sorted({f[0].rsplit("-d", 1)[-1] for f in fails}):
+        out[f"difficulty_{d}"] = table([f[1] for f in fails if f[0].endswith(f"-d{d}")])
+    out["examples"] = {c: [f[2] for f in fails if f[1] == c and len(f) > 2][:3]
+                       for c in sorted({f[1] for f in fails})}
     return out
+
+
+def figures(out: str, frozen: dict | None, stream: dict | None) -> list[str]:
+    """One figure per claim (PNG under out/): the prefix groups' pass rate per step, the
+    mixed-outcome groups per step of each arm, the stream's speedup against the tail."""
+    from bench.plot import band_plot
+
+    paths = []
+    if frozen and frozen.get("prefix_pass_rate_by_step"):
+        by = frozen["prefix_pass_rate_by_step"]
+        x = [int(k) for k in by]
+        paths.append(band_plot(os.path.join(out, "claims_prefix_pass_rate.png"),
+                               "Prefix groups' pass rate (frozen warm start)", "RL step",
+                               "pass rate of prefix groups",
+                               {f"ps (groups pooled over {len(frozen['seeds'])} seeds)":
+                                (x, [by[k]["mean"] for k in by], [0.0] * len(x))},
+                               hline=0.5, hband=0.1))
+    if frozen and frozen.get("solve_partial"):
+        series = {}
+        for arm, fig in [("grpo", frozen["solve_partial"]["ps"]), *frozen["solve_partial"].items()]:
+            runs = np.array(list(fig["per_step"].get(arm, {}).values()), float)
+            if runs.size:
+                series[f"{arm} ({len(runs)} seeds)"] = (np.arange(1, runs.shape[1] + 1),
+                                                       runs.mean(0), runs.std(0))
+        paths.append(band_plot(os.path.join(out, "claims_solve_partial.png"),
+                               "Mixed-outcome groups per step (of 8)", "RL step",
+                               "solve_partial", series))
+    if stream:
+        curve = sorted(stream["curve"], key=lambda c: c["episode_log_sd"])
+        paths.append(band_plot(os.path.join(out, "claims_stream_speedup.png"),
+                               "Time to 24 samples: groups / stream", "log-SD of episode time",
+                               "speedup", {"spo stream vs grpo groups": (
+                                   [c["episode_log_sd"] for c in curve],
+                                   [c["ratio"] for c in curve],
+                                   [0.0] * len(curve))},  # CIs: seed_claims.json
+                               hline=486 / 112))
+    return paths
 
 
 def write_results(out: str, frozen: dict | None, stream: dict | None) -> dict:
@@ -361,6 +402,7 @@ def write_results(out: str, frozen: dict | None, stream: dict | None) -> dict:
                       stream_speedup_curve=[[c["episode_log_sd"], c["ratio"]]
                                             for c in stream["curve"]])
     os.makedirs(out, exist_ok=True)
+    mech["figures"] = [os.path.relpath(p, out) for p in figures(out, frozen, stream)]
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     return result

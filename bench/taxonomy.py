@@ -81,20 +81,27 @@ def _edit_class(args: dict, observation: str, bugs: Sequence[dict], fixed: set[i
 def classify(turns: Sequence, status: str, bugs: Sequence[dict]) -> str:
     """The first mistake of a failed rollout (its turns, status and the task's bugs:
     dicts with `buggy` and `fixed` lines, stripped)."""
+    return first_mistake(turns, status, bugs)[0]
+
+
+def first_mistake(turns: Sequence, status: str, bugs: Sequence[dict]) -> tuple[str, str]:
+    """(class, evidence): the class as `classify` names it, and the call that made the
+    mistake (its arguments, or the observation of a malformed one; empty after the
+    turns), for auditing the classes by eye."""
     fixed: set[int] = set()
     for turn in turns:
         obs = turn.observation or ""
         if turn.tool_call is None or (obs.startswith("ERROR") and _edit(turn.tool_call) is None
                                       and any(m in obs for m in MALFORMED)):
-            return "malformed_call"
+            return "malformed_call", obs[:160]
         args = _edit(turn.tool_call)
         if args is not None:
             kind = _edit_class(args, obs, bugs, fixed)
             if kind is not None:
-                return kind
+                return kind, json.dumps({k: args.get(k) for k in ("old_str", "new_str")})[:240]
     if len(fixed) == len(bugs):
-        return "other"
-    return "premature_finish" if status == "finished" else "over_budget"
+        return "other", ""
+    return ("premature_finish" if status == "finished" else "over_budget"), ""
 
 
 def table(labels: Sequence[str]) -> dict:
