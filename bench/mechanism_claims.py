@@ -114,13 +114,13 @@ async def frozen_run(agent, train_tasks, config, steps: int) -> tuple[dict, list
 
 
 async def run_frozen(root: str, agent, train_tasks, seeds: Sequence[int], steps: int,
-                     ps_ratio: float) -> None:
+                     ps_ratio: float, tag: str) -> None:
     """Every arm of every seed: GRPO and PS seed by seed, then the revisit control (so
     that a run cut short leaves paired seeds of the main comparison); each run cached as
-    root/frozen/{arm}_seed{seed}_steps{steps}.json."""
+    root/frozen/{arm}_seed{seed}_{tag}.json."""
     plan = [(arm, seed) for seed in seeds for arm in ("grpo", "ps")]
     for arm, seed in [*plan, *((a, s) for s in seeds for a in ARMS if (a, s) not in plan)]:
-        path = os.path.join(root, "frozen", f"{arm}_seed{seed}_steps{steps}.json")
+        path = os.path.join(root, "frozen", f"{arm}_seed{seed}_{tag}.json")
         if os.path.exists(path):
             continue
         print(f"{time.strftime('%H:%M:%S')} {arm}, seed {seed}", flush=True)
@@ -135,8 +135,8 @@ async def run_frozen(root: str, agent, train_tasks, seeds: Sequence[int], steps:
         os.replace(path + ".tmp", path)
 
 
-def read_frozen(root: str, arm: str, seed: int, steps: int) -> dict[int, list[list]]:
-    path = os.path.join(root, "frozen", f"{arm}_seed{seed}_steps{steps}.json")
+def read_frozen(root: str, arm: str, seed: int, tag: str) -> dict[int, list[list]]:
+    path = os.path.join(root, "frozen", f"{arm}_seed{seed}_{tag}.json")
     records = sc._read_json(path).get("records", {})
     return {int(k): v for k, v in records.items()}
 
@@ -200,13 +200,13 @@ def partial_figures(recs: dict[str, dict[int, dict]], arm: str) -> dict:
             "mean": {a: float(m.mean()) if m.size else None for a, m in means.items()}}
 
 
-def frozen_figures(root: str, seeds: Sequence[int], steps: int) -> dict:
+def frozen_figures(root: str, seeds: Sequence[int], tag: str) -> dict:
     """Claims 1 and 2 from the runs there are (a seed's arm counts once it finished)."""
-    recs = {arm: {s: r for s in seeds if (r := read_frozen(root, arm, s, steps))}
+    recs = {arm: {s: r for s in seeds if (r := read_frozen(root, arm, s, tag))}
             for arm in ARMS}
     fresh = {arm: [s_ / m for by_step in recs[arm].values() for g in by_step.values()
                    for _, kind, _, s_, m in g if kind is None and m] for arm in ARMS}
-    return {"seeds": sorted(recs["ps"]), "steps": steps, **prefix_figures(recs["ps"]),
+    return {"seeds": sorted(recs["ps"]), "runs": tag, **prefix_figures(recs["ps"]),
             "solve_partial": {arm: partial_figures(recs, arm) for arm in ("ps", "revisit")},
             "fresh_pass_rate": {arm: float(np.mean(v)) if v else None
                                 for arm, v in fresh.items()}}
@@ -332,14 +332,14 @@ def stream_figures(settings: Sequence[dict]) -> dict:
 # ------------------------------------------------------------------ report, entry
 
 
-def taxonomy(root: str, seeds: Sequence[int], steps: int) -> dict:
+def taxonomy(root: str, seeds: Sequence[int], tag: str) -> dict:
     """bench.taxonomy's table of the GRPO arm's failed rollouts (fresh tasks of the frozen
     warm start), in all and by difficulty (the task id's `-d<k>` suffix)."""
     from bench.taxonomy import table
 
     fails = [f for s in seeds for f in sc._read_json(os.path.join(
-        root, "frozen", f"grpo_seed{s}_steps{steps}.json")).get("failures", [])]
-    out = {"warm_start": GATE_TRY, "arm": "grpo (frozen)", "seeds": list(seeds),
+        root, "frozen", f"grpo_seed{s}_{tag}.json")).get("failures", [])]
+    out = {"warm_start": GATE_TRY, "arm": "grpo (frozen)", "runs": tag, "seeds": list(seeds),
            "all": table([f[1] for f in fails])}
     for d in sorted({f[0].rsplit("-d", 1)[-1] for f in fails}):
         out[f"difficulty_{d}"] = table([f[1] for f in fails if f[0].endswith(f"-d{d}")])
@@ -391,7 +391,7 @@ def write_results(out: str, frozen: dict | None, stream: dict | None) -> dict:
     result = sc._read_json(path)
     mech = result.setdefault("mechanism", {})
     if frozen is not None:
-        mech["frozen"] = frozen
+        mech[f"frozen_{frozen['runs']}"] = frozen
         result.update(prefix_pass_rate_mean=frozen["prefix_pass_rate_mean"],
                       prefix_pass_rate_sd=frozen["prefix_pass_rate_sd"],
                       solve_partial_ratio=frozen["solve_partial"]["ps"]["ratio"],
@@ -408,10 +408,16 @@ def write_results(out: str, frozen: dict | None, stream: dict | None) -> dict:
     return result
 
 
+def run_tag(args) -> str:
+    """The name of a set of frozen runs: its steps, and the task pool when restricted."""
+    return f"steps{args.steps}" + (f"_d{args.difficulty}" if args.difficulty else "")
+
+
 async def measure(args, agent, train_tasks, seeds: Sequence[int], ps_ratio: float) -> None:
     """The stage's runs, in one event loop (the agent's)."""
     if args.stage in ("runs", "all"):
-        await run_frozen(args.root, agent, train_tasks, seeds, args.steps, ps_ratio)
+        pool = [t for t in train_tasks if t.difficulty == args.difficulty or not args.difficulty]
+        await run_frozen(args.root, agent, pool, seeds, args.steps, ps_ratio, run_tag(args))
     if args.stage in ("stream", "all"):
         await run_stream(args.root, agent, train_tasks, seeds[0],
                          [float(s) for s in args.sigmas.split(",")], args.median_s, args.reps)
@@ -424,6 +430,8 @@ def main(argv=None) -> dict:
     p.add_argument("--out", default=sc.RESULTS)
     p.add_argument("--seeds", default="0,1,2,3")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--difficulty", type=int, default=0,
+                   help="runs: draw training tasks of this difficulty only (0: the config's mix)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--sigmas", default="0,0.5,1,1.5,2")
     p.add_argument("--median-s", type=float, default=0.25)
@@ -433,14 +441,15 @@ def main(argv=None) -> dict:
         ratio = gate_ratio(sc._read_json(os.path.join(args.out, "gate.json")))
         with frozen_agent(args.root, seeds[0]) as (agent, train_tasks):
             asyncio.run(measure(args, agent, train_tasks, seeds, ratio))
-    frozen = frozen_figures(args.root, seeds, args.steps)
+    frozen = frozen_figures(args.root, seeds, run_tag(args))
     cached = sorted(glob.glob(os.path.join(args.root, "stream", f"m{args.median_s}_*.json")))
     settings = [{k: v for k, v in sc._read_json(c).items() if k != "rows"} for c in cached]
     result = write_results(args.out, frozen if frozen["seeds"] else None,
                            stream_figures(settings) if settings else None)
     if frozen["seeds"]:
         path = os.path.join(args.out, "taxonomy.json")
-        tables = {**sc._read_json(path), GATE_TRY: taxonomy(args.root, seeds, args.steps)}
+        tables = {**sc._read_json(path),
+                  f"{GATE_TRY}_{run_tag(args)}": taxonomy(args.root, seeds, run_tag(args))}
         with open(path, "w") as f:
             json.dump(tables, f, indent=1)
     print(json.dumps({k: v for k, v in result.items() if k != "mechanism"}, indent=1))
