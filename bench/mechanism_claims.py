@@ -272,7 +272,9 @@ async def stream_setting(agent, train_tasks, reps: int, first_rep: int) -> list[
 
 def summarize_setting(rows: Sequence[dict], latency: dict) -> dict:
     """Mean seconds of each arm, their ratio with a repetition-paired bootstrap CI, and the
-    log-SD of the finished episodes' durations (the tail's heaviness as measured)."""
+    log-SD of the finished episodes' durations (the tail's heaviness as measured); a
+    process's first repetition compiles the engine's shapes and is left out."""
+    rows = [r for r in rows if not r.get("warmup")]
     g = np.array([r["groups"]["seconds"] for r in rows])
     s = np.array([r["stream"]["seconds"] for r in rows])
     durations = np.array([d for r in rows for arm in ("groups", "stream")
@@ -289,6 +291,7 @@ async def run_stream(root: str, agent, train_tasks, seed: int, sigmas: Sequence[
     """Every latency setting, cached as root/stream/m{median_s}_s{sigma}_r{reps}.json."""
     from env.latency import LatencyConfig, LatencyModel
 
+    warm = False  # the engine's shapes compiled: the first repetition in a process compiles
     try:
         for sigma in sigmas:
             latency = dict(median_s=median_s, sigma=sigma, slow_share=0.0, slow_factor=1.0)
@@ -296,7 +299,9 @@ async def run_stream(root: str, agent, train_tasks, seed: int, sigmas: Sequence[
             if os.path.exists(path):
                 continue
             agent.latency = LatencyModel(LatencyConfig(**latency), seed)
-            rows = await stream_setting(agent, train_tasks, reps, 0)
+            rows = await stream_setting(agent, train_tasks, reps + (not warm), 0)
+            rows[0]["warmup"] = not warm
+            warm = True
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 json.dump({"rows": rows, **summarize_setting(rows, latency)}, f)
@@ -443,7 +448,8 @@ def main(argv=None) -> dict:
             asyncio.run(measure(args, agent, train_tasks, seeds, ratio))
     frozen = frozen_figures(args.root, seeds, run_tag(args))
     cached = sorted(glob.glob(os.path.join(args.root, "stream", f"m{args.median_s}_*.json")))
-    settings = [{k: v for k, v in sc._read_json(c).items() if k != "rows"} for c in cached]
+    settings = [summarize_setting(d["rows"], d["latency"]) | {"load": d["load"]}
+                for d in map(sc._read_json, cached)]
     result = write_results(args.out, frozen if frozen["seeds"] else None,
                            stream_figures(settings) if settings else None)
     if frozen["seeds"]:
