@@ -55,8 +55,10 @@ def test_stream_summary_pairs_repetitions_and_measures_the_tail():
     out = mc.summarize_setting([warmup, *rows], {"sigma": 1.0})  # compiling: left out
     assert out["groups_s"] == 10.0 and out["stream_s"] == 10.0 / 3
     assert math.isclose(out["speedup"]["ratio"], 3.0)
-    logs = np.log([1.0, math.e] * 3 + [1.0] * 3)
-    assert math.isclose(out["episode_log_sd"], logs.std(ddof=1))
+    pooled = np.log([1.0, math.e] * 3 + [1.0] * 3)
+    assert math.isclose(out["episode_log_sd_pooled"], pooled.std(ddof=1))
+    # within each repetition and arm: +-0.5 around the groups' mean log, 0 for the stream's
+    assert math.isclose(out["episode_log_sd"], np.std([0.5, -0.5] * 3 + [0.0] * 3, ddof=1))
     assert out["speedup"]["ci_low"] <= 3.0 <= out["speedup"]["ci_high"]
 
 
