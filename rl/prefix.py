@@ -88,18 +88,12 @@ class PrefixConfig:
     revisit: bool
 
     def __post_init__(self):
-        if self.replay not in ("patch", "reexec"):
-            raise ValueError(f"replay must be 'patch' or 'reexec', got {self.replay!r}")
-        if not 0.0 <= self.low <= self.high <= 1.0:
-            raise ValueError(f"need 0 <= low <= high <= 1, got low={self.low} high={self.high}")
-        if not 0.0 <= self.max_share <= 1.0:
-            raise ValueError(f"max_share must be in [0, 1], got {self.max_share}")
-        if self.max_age < 1:
-            raise ValueError(f"max_age must be >= 1 (tasks run the step after), got {self.max_age}")
-        for name in ("remaining_cap", "prefix_cap"):
-            cap = getattr(self, name)
-            if cap < 0:
-                raise ValueError(f"{name} must be 0 (uncapped) or >= 1, got {cap}")
+        # Each key's range and choices: configs.common (RANGES, CHOICES); here the
+        # section's combinations.
+        for low, high in (("low", "high"), ("ratio_min", "ratio_max")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(f"ps.{low} ({getattr(self, low)}) must be <= ps.{high} "
+                                 f"({getattr(self, high)})")
 
     def cap(self, kind: str) -> int | None:
         """The step cap of a kind's mode; None when uncapped (0 in the config)."""
@@ -256,10 +250,8 @@ class PrefixQueue:
     take() hands out the freshest first (ties: insertion order) and removes them.
     """
 
-    def __init__(self, max_age: int = 2):
-        if max_age < 1:
-            raise ValueError(f"max_age must be >= 1, got {max_age}")
-        self.max_age = max_age
+    def __init__(self, max_age: int):
+        self.max_age = max_age  # ps.max_age, >= 1 (configs.common.RANGES)
         self.tasks: list[PrefixTask] = []
         self.expired_total = 0
         self.last_expired = 0

@@ -370,10 +370,8 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     import asyncio
     import dataclasses
 
-    import ml_collections
     from flax import nnx
 
-    from configs import common
     from env import miniswe, sandbox
     from env.sandbox.pool import SandboxPool
     from inference.embedded import EmbeddedEngine
@@ -381,7 +379,7 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     from models.tokenizer import train_bpe
     from rl import algos, sft
     from rl.rollout import Agent
-    from tests.owners import engine_options, rollout_config
+    from tests.owners import algo_config, engine_options, env_config, rollout_config
 
     tasks = miniswe.generate_tasks(3, seed=11, difficulties=(1,))
     tokenizer = train_bpe(sft.tokenizer_corpus(tasks), 600)
@@ -391,17 +389,12 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     cfg = rollout_config(max_steps=4, max_turn_tokens=16, max_response_tokens=1000,
                          max_context=2048, test_timeout_s=30.0, env_retries=0, temperature=1.0)
     engine = EmbeddedEngine(model, engine_options(max_batch=8, max_len=2048), seed=0)
-    factory = sandbox.from_config(ml_collections.ConfigDict(
-        {"backend": "local", "image": "", "local_allow_unisolated": False,
-         "local_read_only": ()}))
+    factory = sandbox.from_config(env_config(backend="local", image="",
+                                             local_allow_unisolated=False, local_read_only=()))
     agent = Agent(engine, tokenizer, SandboxPool(factory, 4), cfg, tools_in_prompt=False)
 
     def algorithm(replay):
-        config = ml_collections.ConfigDict(dict(seed=0, batch_tasks=2, group_size=2,
-                                                advantage="grpo", reject_degenerate=True))
-        config.ps = common.prefix_defaults()
-        config.ps.replay = replay
-        config.rollout = common.staleness_defaults()
+        config = algo_config(batch_tasks=2, group_size=2, ps={"replay": replay})
         return algos.GRPOPrefix(algos.Context(config, agent, tasks, score=None))
 
     async def run():
