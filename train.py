@@ -123,13 +123,13 @@ def served(config, model_cfg) -> engines.Served:
 
 
 def check_config(config) -> Owners:
-    """Every key's range and choice (configs.common.check_values), the owners (each
-    section's combinations), then the combinations across sections, once, here; each
-    error names the keys. Returns the owners."""
+    """Every key's range and choice (configs.common.check_values), the combinations
+    across sections (once, here), the owners (each checks its section's combinations)
+    and what the algorithm needs; each error names the keys. Returns the owners."""
     common.check_values(config)
+    check_across_sections(config)
     sections = owners(config)
     algos.check_config(sections.algo)
-    check_across_sections(config)
     return sections
 
 

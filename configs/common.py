@@ -9,9 +9,9 @@ returned locked: setting a key that does not exist raises an error naming the ke
 so a typo in a sweep or on the command line never passes silently. A key derived
 from another is a reference to it (`get_ref`), so an override moves both. Every
 numeric key has an allowed range in `RANGES` and every key that names one of a few
-choices its allowed values in `CHOICES`, both checked by `check_values`. Sweeps are
-`get_hyper(h)` functions returning a list of override dicts (`h.product`, `h.sweep`
-style, without the dependency: see `product` and `sweep` below).
+choices its allowed values in `CHOICES`, both checked by `check_values`: the one home of
+ranges and choices (a section's combinations are its owner's checks, combinations
+across sections train.py's).
 """
 
 from __future__ import annotations

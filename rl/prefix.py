@@ -143,7 +143,7 @@ def classify_groups(groups: Sequence[Sequence[Trajectory]], low: float = 0.3,
     """Classify every group (the N rollouts of one task from one start state)."""
     k, n = np.zeros(len(groups), np.int64), np.zeros(len(groups), np.int64)
     for i, group in enumerate(groups):
-        rewards = [t.reward for t in [t for t in group if t.is_scored]]
+        rewards = [t.reward for t in group if t.is_scored]
         if any(r not in (0, 1) for r in rewards):
             raise ValueError(f"group {i}: rewards must be 0 or 1, got {sorted(set(rewards))}")
         k[i], n[i] = sum(rewards), len(rewards)
@@ -182,7 +182,7 @@ def select_source(trajs: Sequence[Trajectory], kind: str,
     because they cannot make a prefix task. None when no rollout qualifies.
     """
     want = 1 if _check_kind(kind) == "too_hard" else 0
-    cands = [t for t in [t for t in trajs if t.is_scored] if t.reward == want and t.num_steps >= 2]
+    cands = [t for t in trajs if t.is_scored and t.reward == want and t.num_steps >= 2]
     if not cands:
         return None
     return cands[int(rng.integers(len(cands)))]
@@ -431,8 +431,8 @@ def prefix_pass_rates(groups: Sequence[Sequence[Trajectory]]) -> dict[str, tuple
     """(successes, scored rollouts) of the prefix-task rollouts of each kind."""
     out = {k: (0, 0) for k in KINDS}
     for group in groups:
-        for t in [t for t in group if t.is_scored]:
-            if t.prefix is not None:
+        for t in group:
+            if t.is_scored and t.prefix is not None:
                 s, n = out[t.prefix.kind]
                 out[t.prefix.kind] = (s + int(t.reward), n + 1)
     return out

@@ -179,10 +179,10 @@ def test_queue_state_round_trip_exact():
     q.push(tasks_at(6, 2))
     state = q.state_dict()
     json.dumps({k: v for k, v in state.items() if not isinstance(v, np.ndarray)})
-    q2 = PrefixQueue()
+    q2 = PrefixQueue(max_age=2)
     q2.load_state_dict(state)
     assert q2.tasks == q.tasks and q2.max_age == 3 and q2.expired_total == q.expired_total
-    empty = PrefixQueue()
+    empty = PrefixQueue(max_age=2)
     empty.load_state_dict(PrefixQueue(max_age=4).state_dict())
     assert empty.tasks == [] and empty.max_age == 4
 
@@ -221,7 +221,7 @@ def test_build_prefix_tasks_and_metrics():
     assert by_id["easy"].k == 5 and by_id["easy"].source_uid == "easy-7"
     assert ps.pass_counts == {"too_hard": (2, 8), "too_easy": (0, 0)}
     assert ctrl.ema("too_hard") == pytest.approx(0.95 * 0.5 + 0.05 * 0.25)
-    m = prefix_metrics(ps, groups, ctrl, PrefixQueue())
+    m = prefix_metrics(ps, groups, ctrl, PrefixQueue(max_age=2))
     assert m["ps/solve_none"] == 1 and m["ps/solve_all"] == 1 and m["ps/solve_partial"] == 4
     assert m["ps/effective_tasks"] == 4
     assert m["ps/prefix_tasks/too_hard"] == 1 and m["ps/prefix_tasks/too_easy"] == 0
@@ -245,9 +245,9 @@ def test_revisit_queues_skewed_tasks_from_the_start():
         ("hard", "too_hard", 0, [], "", 3), ("easy", "too_easy", 0, [], "", 3)]
     assert ps.train == [False, False, True, True, True, True] and ps.no_source == 0
     assert ps.pass_counts["too_hard"] == (1, 8)       # the revisited group's rollouts
-    q = PrefixQueue()
+    q = PrefixQueue(max_age=2)
     q.push(ps.tasks + tasks_at(1, 1))
-    q2 = PrefixQueue()
+    q2 = PrefixQueue(max_age=2)
     q2.load_state_dict(q.state_dict())
     assert q2.tasks == q.tasks and q2.tasks[0] == revisit_task("hard", "too_hard", 3)
     assert q2.tasks[0].info == PrefixInfo("", 0, "too_hard") and q2.tasks[0].num_prefix_tokens == 0
