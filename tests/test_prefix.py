@@ -193,8 +193,11 @@ def test_a_cap_of_0_is_uncapped():
     assert cfg.cap("too_hard") is None and cfg.cap("too_easy") == 3
     assert prefix_k(100, "too_hard", 0.25, cfg.cap("too_hard")) == 75      # 25 remaining
     assert prefix_k(100, "too_easy", 0.25, cfg.cap("too_easy")) == 3
-    with pytest.raises(ValueError, match="prefix_cap"):
-        ps_config(prefix_cap=-1)
+    # A negative cap is refused where every range is checked (configs.common.RANGES).
+    from configs import common, default
+
+    with pytest.raises(ValueError, match="ps.prefix_cap=-1"):
+        common.check_values(common.apply_overrides(default.get_config(), {"ps.prefix_cap": -1}))
 
 
 # ---------------------------------------------------------------- build + metrics
@@ -426,5 +429,7 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     (prefixed, _), _ = out["reexec"]
     assert all(not t.is_env_error and t.prefix is not None for t in prefixed)
     assert all(t.turns[0].replayed and t.turns[1].replayed for t in prefixed)
-    with pytest.raises(ValueError, match="replay"):
-        ps_config(replay="redo")
+    from configs import common, default  # (the choices' one home: configs.common.CHOICES)
+
+    with pytest.raises(ValueError, match="ps.replay='redo'"):
+        common.check_values(common.apply_overrides(default.get_config(), {"ps.replay": "redo"}))
