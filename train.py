@@ -34,11 +34,12 @@ from flax import nnx
 from configs import common
 from env import latency, splits
 from env import sandbox as sandboxes_lib
+from env.config import EnvConfig
 from env.sandbox.pool import SandboxPool
 from env.tasks import Task
 from inference import build as engines
 from models import loading, sharding
-from rl import algos, distributed, learner, loss, sft
+from rl import algos, distributed, learner, sft
 from rl.batch import pack_trajectories
 from rl.checkpoint import Checkpointer
 from rl.metrics import (
@@ -51,8 +52,10 @@ from rl.metrics import (
     rollout_metrics,
     timed,
 )
+from rl.prefix import PrefixConfig
 from rl.reference import Reference
 from rl.rollout import Agent, RolloutConfig, RolloutJob
+from rl.tracker import SPOConfig
 
 log = logging.getLogger("train")
 # Keyed by the program and the compiler's options, so a cached program is the one a
@@ -67,13 +70,100 @@ def compilation_cache(path: str) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-def check_config(config) -> None:
-    """Every numeric key's range (configs.common.check_values), the algorithm's needs,
-    then combinations that no single section can check; each error names the keys."""
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """The top-level keys of the loop: its length, evaluations, checkpoints and texts
+    (configs/default.py documents each)."""
+
+    total_steps: int
+    eval_every: int
+    eval_temperature: float
+    ckpt_every: int
+    ckpt_every_s: float
+    ckpt_keep: int
+    log_texts_every: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Owners:
+    """The run config's sections as their owners, built once from the ConfigDict by
+    `owners`: nothing below train.py sees the ConfigDict."""
+
+    algo: algos.AlgoConfig  # with the ps, spo and rollout sections
+    learner: learner.LearnerConfig  # with learner.optim and learner.loss
+    sft: sft.SFTConfig
+    tokenizer: sft.TokenizerConfig
+    engine: engines.EngineConfig  # with engine.sglang
+    distributed: distributed.DistributedConfig
+    env: EnvConfig  # with env.latency
+    loop: LoopConfig
+
+
+def owners(config) -> Owners:
+    """Each section's owner (which checks the combinations within its section)."""
+    return Owners(
+        algo=algos.AlgoConfig(
+            name=config.algo, advantage=config.advantage,
+            reject_degenerate=config.reject_degenerate, batch_tasks=config.batch_tasks,
+            group_size=config.group_size, seed=config.seed, ps=PrefixConfig(**config.ps),
+            spo=SPOConfig(**config.spo), rollout=RolloutConfig(**config.rollout)),
+        learner=learner.LearnerConfig.from_section(config.learner),
+        sft=sft.SFTConfig(**config.sft), tokenizer=sft.TokenizerConfig(**config.tokenizer),
+        engine=engines.EngineConfig.from_section(config.engine),
+        distributed=distributed.DistributedConfig(**config.distributed),
+        env=EnvConfig.from_section(config.env),
+        loop=LoopConfig(**{f.name: config[f.name] for f in dataclasses.fields(LoopConfig)}))
+
+
+def served(config, model_cfg) -> engines.Served:
+    """The model the engine serves: the checkpoint or the run's model, its longest context
+    and the seed of requests that come without one."""
+    return engines.Served(hf_path=config.model.hf_path, model_config=model_cfg,
+                          max_context=int(config.rollout.max_context), seed=int(config.seed))
+
+
+def check_config(config) -> Owners:
+    """Every key's range and choice (configs.common.check_values), the combinations
+    across sections (once, here), the owners (each checks its section's combinations)
+    and what the algorithm needs; each error names the keys. Returns the owners."""
     common.check_values(config)
-    algos.check_config(config)
-    common.check_lengths(config)
-    loss.check_config(config.learner.loss)
+    check_across_sections(config)
+    sections = owners(config)
+    algos.check_config(sections.algo)
+    return sections
+
+
+def check_across_sections(config) -> None:
+    """The combinations of keys of several sections (each section's own are its owner's)."""
+    if config.learner.temperature != config.rollout.temperature:
+        raise ValueError(f"learner.temperature ({config.learner.temperature}) must equal "
+                         f"rollout.temperature ({config.rollout.temperature}): the learner's "
+                         "log-probs are the sampler's")
+    if config.model.hf_path and config.tokenizer.path not in ("", config.model.hf_path):
+        raise ValueError(f"tokenizer.path ({config.tokenizer.path!r}) differs from "
+                         f"model.hf_path ({config.model.hf_path!r}); set both together")
+    # A rollout's longest context fits the embedded engine's slots and the learner's
+    # longest row.
+    if config.engine.kind == "embedded" and config.engine.max_len < config.rollout.max_context:
+        raise ValueError(f"engine.max_len ({config.engine.max_len}) must be >= "
+                         f"rollout.max_context ({config.rollout.max_context})")
+    if max(config.learner.row_buckets) < config.rollout.max_context:
+        raise ValueError(f"the longest learner.row_buckets ({max(config.learner.row_buckets)}) "
+                         f"must hold rollout.max_context ({config.rollout.max_context})")
+
+
+def check_processes(config) -> None:
+    """Refuses what does not run over several processes, naming the key."""
+    if jax.process_count() == 1:
+        return
+    if config.algo == "spo":
+        raise ValueError("algo='spo' runs in one process: its stream collector draws prompts "
+                         "as rollouts finish, an order no two hosts share; use algo='grpo' "
+                         "for multi-host runs")
+    if config.engine.kind == "sglang" and not config.engine.sglang.urls:
+        raise ValueError("a multi-host run takes its SGLang servers from engine.sglang.urls "
+                         "(every host's client shares them; process 0 updates them once per "
+                         "version), not engine.sglang.launch on every host")
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -106,13 +196,13 @@ def main(argv=None) -> None:
     # ------------------------------------------------------------------ config
     config = common.load_config(args.config)
     config = common.apply_overrides(config, common.parse_overrides(args.set))
-    check_config(config)  # before anything is built from it: errors name the keys
+    sections = check_config(config)  # before anything is built from it: errors name the keys
     # Launched SGLang servers own their GPUs; the learner's JAX devices are the rest.
-    engines.restrict_learner_devices(config)
-    distributed.initialize(config.distributed)  # before anything touches a device
-    distributed.check_supported(config)
+    engines.restrict_learner_devices(sections.engine)
+    distributed.initialize(sections.distributed)  # before anything touches a device
+    check_processes(config)
     if args.dry_run:
-        print(json.dumps({**dry_run(config), "layout": distributed.layout(config.mesh)},
+        print(json.dumps({**dry_run(config), "layout": distributed.layout(dict(config.mesh))},
                          indent=1))
         return
     workdir = os.path.abspath(args.workdir)
@@ -125,7 +215,7 @@ def main(argv=None) -> None:
         with open(os.path.join(workdir, "config.json"), "w") as f:
             f.write(config.to_json_best_effort(indent=1))
     try:
-        asyncio.run(run(config, workdir, eval_only=args.eval_only,
+        asyncio.run(run(config, sections, workdir, eval_only=args.eval_only,
                         eval_out=os.path.abspath(args.eval_out) if args.eval_out else None,
                         eval_step=args.eval_step))
     except OSError as e:  # a full disk, a lost mount: its cause, not a traceback of the loop
@@ -137,70 +227,72 @@ def dry_run(config) -> dict[str, Any]:
     """Builds everything that needs no remote service or weights: the model's abstract
     parameters and optimizer state, the mesh plan, Prefix Sampling / SPO state, the
     rollout budgets and (for SGLang) the server command line. Returns a summary."""
-    check_config(config)
-    cfg = loading.model_config(config.model, config.tokenizer.bpe_vocab_size,
+    sections = check_config(config)
+    cfg = loading.model_config(dict(config.model), config.tokenizer.bpe_vocab_size,
                                dry_run=True)
-    engines.check_context(config, cfg)  # before the slow part: refused up front
-    _, state = learner.abstract_train_state(loading.abstract_model(cfg), config.learner)
+    # before the slow part: refused up front
+    engines.check_context(sections.engine, served(config, cfg))
+    _, state = learner.abstract_train_state(loading.abstract_model(cfg), sections.learner)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
     opt_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
                     for x in jax.tree.leaves(state.opt_state))
-    RolloutConfig(**config.rollout)
-    algos.check_sections(config)
+    algos.check_sections(sections.algo)
     summary = {"model": dataclasses.asdict(cfg), "params": n_params,
                "optimizer_state_bytes": opt_bytes, "mesh": dict(config.mesh),
                "algo": config.algo, "batch_tasks": config.batch_tasks,
                "group_size": config.group_size, "prefix_sampling": bool(config.ps.enabled),
                "engine": config.engine.kind, "env_backend": config.env.backend}
     if config.engine.kind == "sglang":
-        summary["placement"] = engines.placement(config)
-        summary["sglang_commands"] = [" ".join(c) for c in engines.launch_commands(config)]
-    images = splits.task_images(config.env)
+        summary["placement"] = engines.placement(sections.engine)
+        summary["sglang_commands"] = [" ".join(c) for c in engines.launch_commands(
+            sections.engine, served(config, cfg))]
+    images = splits.task_images(sections.env)
     if images:
         summary["task_images"] = images
     return summary
 
 
-async def run(config, workdir: str, eval_only: bool = False, eval_out: str | None = None,
-              eval_step: int | None = None) -> None:
+async def run(config, sections: Owners, workdir: str, eval_only: bool = False,
+              eval_out: str | None = None, eval_step: int | None = None
+              ) -> None:  # (6: the config, its owners, the workdir, --eval_only's three)
     """Everything after the config, on one event loop (engine batching, sandbox slots
     and in-flight rollouts all live on it). eval_only: evaluate checkpoint eval_step
     (None: the latest) into eval_out if given."""
     # ------------------------------------------------------------------ mesh
     mesh = sharding.make_mesh(**config.mesh)
     if jax.process_count() > 1:
-        log.info("layout: %s", json.dumps(distributed.layout(config.mesh)))
+        log.info("layout: %s", json.dumps(distributed.layout(dict(config.mesh))))
 
     # ------------------------------------------------------------------ tasks
-    train_tasks, eval_tasks = splits.splits(config.env)
+    train_tasks, eval_tasks = splits.splits(sections.env)
     log.info("tasks: %d train, %d held-out eval", len(train_tasks), len(eval_tasks))
 
     # ------------------------------------------------------------------ tokenizer
-    tokenizer = sft.build_tokenizer(config, workdir, train_tasks)
+    tokenizer = sft.build_tokenizer(sections.tokenizer, workdir, train_tasks)
 
     # ------------------------------------------------------------------ model
-    model_cfg = loading.model_config(config.model, tokenizer.vocab_size)
-    model = loading.build_model(config.model, model_cfg, mesh, seed=config.seed)
-    graphdef, state = learner.init_train_state(model, config.learner, mesh)
+    model_cfg = loading.model_config(dict(config.model), tokenizer.vocab_size)
+    model = loading.build_model(dict(config.model), model_cfg, mesh, seed=config.seed)
+    graphdef, state = learner.init_train_state(model, sections.learner, mesh)
     del model
     n_params = sum(x.size for x in jax.tree.leaves(state.params))
     log.info("model: %s, %.2fM parameters", model_cfg, n_params / 1e6)
 
     # ------------------------------------------------------------------ engine
     engine = engines.from_config(
-        config, lambda: (graphdef, distributed.local_params(state.params)), workdir, model_cfg)
+        sections.engine, served(config, model_cfg),
+        lambda: (graphdef, distributed.local_params(state.params)), workdir)
 
     # ------------------------------------------------------------------ environment
-    sandboxes = sandboxes_lib.from_config(config.env)
-    slow_calls = latency.LatencyModel(latency.LatencyConfig(**config.env.latency), config.seed)
-    agent = Agent(engine, tokenizer, SandboxPool(sandboxes, config.env.max_concurrent),
-                  RolloutConfig(**config.rollout), tools_in_prompt=config.env.tools_in_prompt,
+    sandboxes = sandboxes_lib.from_config(sections.env)
+    slow_calls = latency.LatencyModel(sections.env.latency, config.seed)
+    agent = Agent(engine, tokenizer, SandboxPool(sandboxes, sections.env.max_concurrent),
+                  sections.algo.rollout, tools_in_prompt=sections.env.tools_in_prompt,
                   latency=slow_calls)
 
     # ------------------------------------------------------------------ learner, algorithm
-    r = Run(config, workdir, mesh, graphdef, agent, sandboxes, eval_tasks,
-            Checkpointer(workdir, keep=config.ckpt_keep))
-    r.algo = algos.build(algos.Context(config, agent, train_tasks, r.score))
+    r = Run(sections, workdir, mesh, graphdef, agent, sandboxes, eval_tasks)
+    r.algo = algos.build(algos.Context(sections.algo, agent, train_tasks, r.score))
 
     if eval_only:
         try:
@@ -226,15 +318,16 @@ class Run:
     methods are the phases: resume or warm start, the KL reference, the RL steps,
     evaluation, checkpoints."""
 
-    def __init__(self, config, workdir: str, mesh, graphdef, agent: Agent, sandboxes,
-                 eval_tasks: list[Task], ckpt: Checkpointer):  # (8 parameters: its parts)
-        self.config, self.workdir, self.mesh, self.graphdef = config, workdir, mesh, graphdef
+    def __init__(self, cfg: Owners, workdir: str, mesh, graphdef, agent: Agent, sandboxes,
+                 eval_tasks: list[Task]):  # (7: what `run` built before it, in its order)
+        self.cfg, self.workdir, self.mesh, self.graphdef = cfg, workdir, mesh, graphdef
         self.agent, self.engine, self.sandboxes = agent, agent.engine, sandboxes
-        self.eval_tasks, self.ckpt = eval_tasks, ckpt
-        buckets, pad_id = config.learner.row_buckets, agent.tokenizer.pad_id
-        row_multiple = learner.row_multiple(config.learner, mesh)
-        self.train_step = learner.make_train_step(graphdef, config.learner, mesh)
-        self.compute_logprobs = learner.make_compute_logprobs(graphdef, config.learner, mesh)
+        self.eval_tasks = eval_tasks
+        self.ckpt = Checkpointer(workdir, keep=cfg.loop.ckpt_keep)
+        buckets, pad_id = cfg.learner.row_buckets, agent.tokenizer.pad_id
+        row_multiple = learner.row_multiple(cfg.learner, mesh)
+        self.train_step = learner.make_train_step(graphdef, cfg.learner, mesh)
+        self.compute_logprobs = learner.make_compute_logprobs(graphdef, cfg.learner, mesh)
         self.pack = functools.partial(pack_trajectories, buckets=buckets,
                                       row_multiple=row_multiple, pad_id=pad_id)
         self.score = learner.make_score(self.compute_logprobs, buckets=buckets,
@@ -250,7 +343,7 @@ class Run:
         """Loads `params` into the engine: one policy version more (the engine counts its
         updates alike; turns and trajectories carry the versions that sampled them)."""
         await distributed.sync_weights(self.engine, params,
-                                       self.config.engine.kind == "sglang")
+                                       self.cfg.engine.kind == "sglang")
         self.agent.policy_version += 1
 
     def save(self, step: int, state) -> None:
@@ -267,7 +360,7 @@ class Run:
         step None: the latest that reads back (a damaged newer step is skipped with a
         warning, and moved aside unless `set_aside` is False)."""
         _, abstract = learner.abstract_train_state(nnx.merge(self.graphdef, state.params),
-                                                   self.config.learner, self.mesh)
+                                                   self.cfg.learner, self.mesh)
         if step is None:
             return self.ckpt.restore_latest(abstract, set_aside)
         return (step, *self.ckpt.restore(step, abstract))
@@ -292,9 +385,9 @@ class Run:
         # Metric rows a killed run wrote after its last checkpoint (all of them without
         # one, e.g. a warm start cut short) are written again below.
         self.writer = MetricWriter(self.workdir, resume_step=first_step if resumed else -1)
-        if not resumed and self.config.sft.steps:
-            state = await sft.warm_start(self.config, self.agent, train_tasks, self.graphdef,
-                                         state, self.mesh, self.writer)
+        if not resumed and self.cfg.sft.steps:
+            state = await sft.warm_start(self.cfg.sft, self.cfg.learner, self.agent, train_tasks,
+                                         self.graphdef, state, self.mesh, self.writer)
             await self.sync_weights(state.params)
             self.save(0, state)
         self.reference = self.kl_reference(resumed, state)
@@ -305,7 +398,7 @@ class Run:
         """The KL anchor when learner.loss.kl is on: the policy a fresh run starts from,
         saved in workdir/reference; a resumed run loads it from there (a workdir seeded
         with a warm-start checkpoint only takes that step-0 checkpoint's parameters)."""
-        kl = self.config.learner.loss.kl
+        kl = self.cfg.learner.loss.kl
         if kl == "none":
             return None
         path = os.path.join(self.workdir, "reference")
@@ -329,7 +422,7 @@ class Run:
 
     async def loop(self, state, first_step: int):
         """The step-0 eval, the algorithm's start, then the RL steps to total_steps."""
-        config, writer = self.config, self.writer
+        loop, writer = self.cfg.loop, self.writer
         if first_step == 0 and not (self.resumed and os.path.exists(
                 os.path.join(self.workdir, "eval_0.json"))):
             # (A workdir seeded with a shared warm start already holds its step-0 eval.)
@@ -341,15 +434,15 @@ class Run:
                 start_metrics.update(await self.algo.start(bar.update))
             writer.write_scalars(first_step, start_metrics)
             log.info("offline start: %s", json.dumps(start_metrics))
-        last_save = time.perf_counter()  # for config.ckpt_every_s
-        for step in range(first_step + 1, config.total_steps + 1):
+        last_save = time.perf_counter()  # for loop.ckpt_every_s
+        for step in range(first_step + 1, loop.total_steps + 1):
             state, groups, lags, metrics = await self.step(step, state)
-            if step % config.eval_every == 0 or step == config.total_steps:
+            if step % loop.eval_every == 0 or step == loop.total_steps:
                 metrics.update(await self.evaluate(step))
             self.report(step, groups, lags, metrics)
-            timed_out = (config.ckpt_every_s
-                         and time.perf_counter() - last_save >= config.ckpt_every_s)
-            if step % config.ckpt_every == 0 or step == config.total_steps or timed_out:
+            timed_out = (loop.ckpt_every_s
+                         and time.perf_counter() - last_save >= loop.ckpt_every_s)
+            if step % loop.ckpt_every == 0 or step == loop.total_steps or timed_out:
                 self.save(step, state)
                 last_save = time.perf_counter()
         return state
@@ -409,7 +502,7 @@ class Run:
         # each group's outcome (prefix kind and k, successes of scored).
         writer.write_texts(step, {"rollout/consumed": " ".join(
             f"{t.task_id}:{t.seed}" for t in trajs), "rollout/groups": group_outcomes(groups)})
-        if step % self.config.log_texts_every == 0 and trajs:
+        if step % self.cfg.loop.log_texts_every == 0 and trajs:
             writer.write_texts(step, {"rollout/sample": self.agent.tokenizer.decode(
                 trajs[0].token_arrays()[0])})
         if distributed.is_primary():
@@ -425,7 +518,7 @@ class Run:
         `writer` if given (else the caller writes the returned scalars with its own).
         Over several processes, each runs its share of the tasks and process 0 writes
         the whole."""
-        eval_agent = self.agent.with_sampling(temperature=self.config.eval_temperature,
+        eval_agent = self.agent.with_sampling(temperature=self.cfg.loop.eval_temperature,
                                               logprobs=False)
         jobs = [RolloutJob(t, seed=i) for i, t in enumerate(self.eval_tasks)]
         with progress(len(jobs), f"eval @ {step}") as bar:
@@ -462,7 +555,7 @@ class Run:
         # left where it is); the output's name and rows carry the step evaluated.
         step, state, _ = self.restore(step, state, set_aside=False)
         await distributed.sync_weights(self.engine, state.params,
-                                       self.config.engine.kind == "sglang")
+                                       self.cfg.engine.kind == "sglang")
         n = len(self.eval_tasks)
         await self.evaluate(step, None, path or os.path.join(
             self.workdir, f"eval_only_{step}_{n}tasks.json"))

@@ -48,6 +48,7 @@ import train
 from bench.env import old_local_factory
 from configs.common import load_config
 from env import sandbox, splits
+from env.config import EnvConfig
 from env.sandbox.pool import SandboxPool
 from inference.embedded import EmbeddedEngine, EmbeddedOptions
 from models import loading, sharding
@@ -148,7 +149,8 @@ async def rollout_phase(agent: Agent, jobs, group_size: int) -> dict:
 def restore_params(model, config, mesh, run_dir: str) -> int:
     """Loads the parameters of the latest checkpoint of the run in `run_dir` into
     `model`; returns its step."""
-    _, abstract = learner.abstract_train_state(model, config.learner, mesh)
+    _, abstract = learner.abstract_train_state(
+        model, learner.LearnerConfig.from_section(config.learner), mesh)
     step, state, _ = Checkpointer(run_dir).restore_latest(abstract, set_aside=False)
     nnx.update(model, state.params)
     return step
@@ -158,9 +160,11 @@ async def run(args) -> dict:
     config = load_config("configs/default.py")
     batch_tasks = args.tasks or config.batch_tasks
     group_size = args.group_size or config.group_size
-    train_tasks, _ = splits.splits(config.env)
+    env_cfg = EnvConfig.from_section(config.env)
+    train_tasks, _ = splits.splits(env_cfg)
     workdir = tempfile.mkdtemp(prefix="engine_rollout_")
-    tokenizer = sft.build_tokenizer(config, args.ckpt or workdir, train_tasks)
+    tokenizer = sft.build_tokenizer(sft.TokenizerConfig(**config.tokenizer), args.ckpt or workdir,
+                                    train_tasks)
     model_cfg = loading.model_config(config.model, tokenizer.vocab_size)
     mesh = sharding.make_mesh(**config.mesh)
     model = loading.build_model(config.model, model_cfg, mesh, args.seed)
@@ -173,7 +177,7 @@ async def run(args) -> dict:
     engines = {"old": old_engine(old_cls, old_model_weights(model, old_qwen3), options,
                                  args.seed),
                "new": EmbeddedEngine(weights, options, seed=args.seed)}
-    factory = sandbox.from_config(config.env)
+    factory = sandbox.from_config(env_cfg)
     old_sandbox = args.old_sandbox or ("new" if os.path.isdir(args.old) else args.old)
     factories = {"old": factory if old_sandbox == "new" else old_local_factory(
         old_sandbox, workdir), "new": factory}

@@ -260,7 +260,8 @@ def time_step(preset: str, attention_impl: str, row_len: int, segments: int, ste
                               remat="full", attention=attention_impl)
     fallbacks = _Collect()
     logging.getLogger("kernels").addHandler(fallbacks)
-    lcfg = common.learner_defaults()
+    lcfg = learner.LearnerConfig.from_section({**common.learner_defaults(),
+                                               "row_buckets": (row_len,)})
     graphdef, state = learner.init_train_state(Qwen3(cfg, rngs=nnx.Rngs(0)), lcfg)
     step = jax.jit(learner.make_train_step(graphdef, lcfg).step_fn, donate_argnums=0)
     batch = jax.device_put(packed_row(cfg.vocab_size, row_len, segments))

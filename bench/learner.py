@@ -142,9 +142,10 @@ def main(argv=None) -> None:
          f"real {tail_info.real_token_fraction:.3f}")
 
     model_cfg = PRESETS[args.model]
-    cfg = common.learner_defaults()
-    cfg.num_microbatches = args.micro
-    cfg.optim.lr = 1e-5
+    section = common.learner_defaults()
+    cfg = learner.LearnerConfig.from_section({
+        **section, "num_microbatches": args.micro, "row_buckets": (args.row_len,),
+        "optim": {**section.optim, "lr": 1e-5}})
 
     # The timed batch: the same tail scaled to the row length, packed to exactly `rows`.
     scale = args.row_len / 8000

@@ -92,8 +92,9 @@ async def frozen_run(agent, train_tasks, config, steps: int) -> tuple[dict, list
     from bench.taxonomy import first_mistake
     from rl import algos
     from rl.metrics import group_outcomes
+    from train import owners
 
-    algo = algos.build(algos.Context(config, agent, train_tasks, score=None))
+    algo = algos.build(algos.Context(owners(config).algo, agent, train_tasks, score=None))
     by_id = {t.instance_id: t for t in train_tasks}
     records, failures = {}, []
     try:

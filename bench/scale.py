@@ -77,9 +77,8 @@ def measure(preset: str, layers: int, row_len: int, remat: str | None = None) ->
         model_keys["remat"] = remat
     cfg = dataclasses.replace(PRESETS[preset], num_layers=layers, **model_keys)
     mesh = make_mesh(**config.mesh)
-    lcfg = config.learner
-    with lcfg.unlocked():
-        lcfg.num_minibatches, lcfg.num_microbatches = 1, 1
+    lcfg = dataclasses.replace(learner.LearnerConfig.from_section(config.learner),
+                               num_minibatches=1, num_microbatches=1)
     graphdef, state = learner.abstract_train_state(nnx.eval_shape(lambda: Qwen3(cfg)), lcfg,
                                                    mesh)
     step = learner.make_train_step(graphdef, lcfg, mesh).step_fn

@@ -150,23 +150,26 @@ def load_agent(config, workdir: str):
     from models import loading, sharding
     from rl import learner, sft
     from rl.checkpoint import Checkpointer
-    from rl.rollout import Agent, RolloutConfig
+    from rl.rollout import Agent
+    from train import owners, served
 
+    cfg = owners(config)
     mesh = sharding.make_mesh(**config.mesh)
-    train_tasks, _ = splits.splits(config.env)
-    tokenizer = sft.build_tokenizer(config, workdir, train_tasks)
-    model_cfg = loading.model_config(config.model, tokenizer.vocab_size)
-    model = loading.build_model(config.model, model_cfg, mesh, seed=config.seed)
-    graphdef, abstract = learner.abstract_train_state(model, config.learner, mesh)
+    train_tasks, _ = splits.splits(cfg.env)
+    tokenizer = sft.build_tokenizer(cfg.tokenizer, workdir, train_tasks)
+    model_cfg = loading.model_config(dict(config.model), tokenizer.vocab_size)
+    model = loading.build_model(dict(config.model), model_cfg, mesh, seed=config.seed)
+    graphdef, abstract = learner.abstract_train_state(model, cfg.learner, mesh)
     ckpt = Checkpointer(workdir, keep=config.ckpt_keep)
     try:
         state, _ = ckpt.restore(0, abstract)
     finally:
         ckpt.close()
-    engine = engines.from_config(config, lambda: (graphdef, state.params), workdir, model_cfg)
+    engine = engines.from_config(cfg.engine, served(config, model_cfg),
+                                 lambda: (graphdef, state.params), workdir)
     agent = Agent(engine, tokenizer,
-                  SandboxPool(sandbox.from_config(config.env), config.env.max_concurrent),
-                  RolloutConfig(**config.rollout), tools_in_prompt=config.env.tools_in_prompt)
+                  SandboxPool(sandbox.from_config(cfg.env), cfg.env.max_concurrent),
+                  cfg.algo.rollout, tools_in_prompt=cfg.env.tools_in_prompt)
     return agent, train_tasks
 
 

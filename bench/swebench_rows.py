@@ -22,7 +22,7 @@ graded fresh (the default) unless the case says otherwise:
   outside it, put first on sys.path by a `.pth` file in site-packages: expected 0 graded
   fresh, 1 graded in place.
 
-The images are built beforehand (README: scripts/build_repo_image.sh). Prints one JSON
+The images are built beforehand (docs/RESULTS.md: scripts/build_repo_image.sh). Prints one JSON
 object: per row, each case's reward, status, error, the test log's summary line and
 seconds, and whether it graded as expected.
 """

@@ -9,9 +9,9 @@ returned locked: setting a key that does not exist raises an error naming the ke
 so a typo in a sweep or on the command line never passes silently. A key derived
 from another is a reference to it (`get_ref`), so an override moves both. Every
 numeric key has an allowed range in `RANGES` and every key that names one of a few
-choices its allowed values in `CHOICES`, both checked by `check_values`. Sweeps are
-`get_hyper(h)` functions returning a list of override dicts (`h.product`, `h.sweep`
-style, without the dependency: see `product` and `sweep` below).
+choices its allowed values in `CHOICES`, both checked by `check_values`: the one home of
+ranges and choices (a section's combinations are its owner's checks, combinations
+across sections train.py's).
 """
 
 from __future__ import annotations
@@ -399,7 +399,9 @@ RANGES: dict[str, str] = {
     "rollout.env_retries": "[0, inf)", "rollout.max_staleness": "[0, inf)",
     "ps.low": "[0, 1]", "ps.high": "[0, 1]", "ps.remaining_ratio": "(0, 1]",
     "ps.prefix_ratio": "(0, 1]", "ps.remaining_cap": "[0, inf)", "ps.prefix_cap": "[0, inf)",
-    "ps.max_share": "[0, 1]", "ps.max_age": "[0, inf)", "ps.ema_alpha": "(0, 1]",
+    "ps.max_share": "[0, 1]",
+    "ps.max_age": "[1, inf)",  # a queued task runs at the earliest the step after its own
+    "ps.ema_alpha": "(0, 1]",
     "ps.ema_init": "[0, 1]", "ps.target": "[0, 1]", "ps.band": "[0, 1]",
     "ps.step_size": "(0, 1]",
     "ps.cooldown": "[0, inf)", "ps.ratio_min": "(0, 1]", "ps.ratio_max": "(0, 1]",
@@ -502,49 +504,13 @@ def _is_number(value: Any) -> bool:
 
 
 def check_values(config: ConfigDict) -> None:
-    """Every numeric key within its `RANGES` entry, every enumerated key among its
-    `CHOICES`, and derived keys equal to their sources; the error names every key out
-    of range, its value and what is allowed."""
+    """Every numeric key within its `RANGES` entry and every enumerated key among its
+    `CHOICES`; the error names every key out of range, its value and what is allowed.
+    (A section's combinations are its owner's checks; combinations across sections are
+    train.py's.)"""
     bad = [f"{key}={value!r} (allowed: {RANGES[key]})" for key, value in numeric_items(config)
            if key in RANGES and not all(in_range(v, RANGES[key]) for v in
                                         (value if isinstance(value, tuple | list) else (value,)))]
     if bad:
         raise ValueError("config values out of range: " + "; ".join(bad))
     check_choices(config)
-    _check_order(config, "ps.low", "ps.high")
-    _check_order(config, "ps.ratio_min", "ps.ratio_max")
-    _check_order(config, "spo.rho_min", "spo.rho_max")
-    if config.learner.temperature != config.rollout.temperature:
-        raise ValueError(f"learner.temperature ({config.learner.temperature}) must equal "
-                         f"rollout.temperature ({config.rollout.temperature}): the learner's "
-                         "log-probs are the sampler's")
-    if config.model.hf_path and config.tokenizer.path not in ("", config.model.hf_path):
-        raise ValueError(f"tokenizer.path ({config.tokenizer.path!r}) differs from "
-                         f"model.hf_path ({config.model.hf_path!r}); set both together")
-    if config.sft.steps and min(config.sft.batch_size, config.sft.num_demos) < 1:
-        raise ValueError(f"sft.steps={config.sft.steps} needs sft.batch_size >= 1 and "
-                         f"sft.num_demos >= 1, got {config.sft.batch_size} and "
-                         f"{config.sft.num_demos}")
-
-
-def check_lengths(config: ConfigDict) -> None:
-    """A rollout's longest context fits the embedded engine's slots and the learner's
-    longest row."""
-    if config.engine.kind == "embedded" and config.engine.max_len < config.rollout.max_context:
-        raise ValueError(f"engine.max_len ({config.engine.max_len}) must be >= "
-                         f"rollout.max_context ({config.rollout.max_context})")
-    if max(config.learner.row_buckets) < config.rollout.max_context:
-        raise ValueError(f"the longest learner.row_buckets ({max(config.learner.row_buckets)}) "
-                         f"must hold rollout.max_context ({config.rollout.max_context})")
-
-
-def _check_order(config: ConfigDict, low_key: str, high_key: str) -> None:
-    low, high = (_get(config, k) for k in (low_key, high_key))
-    if low > high:
-        raise ValueError(f"config key {low_key} ({low}) must be <= {high_key} ({high})")
-
-
-def _get(config: ConfigDict, dotted: str) -> Any:
-    for part in dotted.split("."):
-        config = config[part]
-    return config

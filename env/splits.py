@@ -11,11 +11,12 @@ import os
 from typing import Any
 
 from env import miniswe
+from env.config import EnvConfig
 from env.swebench import SWEBENCH_IMAGE_TEMPLATE
 from env.tasks import Task, load_tasks
 
 
-def splits(env_cfg) -> tuple[list[Task], list[Task]]:
+def splits(env_cfg: EnvConfig) -> tuple[list[Task], list[Task]]:
     """(train, held-out eval) tasks: generated mini-SWE, or JSONL files `train|eval`."""
     if env_cfg.tasks == "miniswe":
         diffs = tuple(env_cfg.difficulties)
@@ -38,12 +39,12 @@ def splits(env_cfg) -> tuple[list[Task], list[Task]]:
     return train, held_out
 
 
-def image_template(env_cfg) -> str:
+def image_template(env_cfg: EnvConfig) -> str:
     """`env.image_template` ("": the SWE-bench convention)."""
     return env_cfg.image_template or SWEBENCH_IMAGE_TEMPLATE
 
 
-def task_images(env_cfg) -> dict[str, Any]:
+def task_images(env_cfg: EnvConfig) -> dict[str, Any]:
     """For the dry run: per task file, instance id -> the image its sandbox will use."""
     if env_cfg.tasks == "miniswe":
         return {}

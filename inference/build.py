@@ -11,55 +11,63 @@ from typing import Any
 from inference import sglang
 from inference.embedded import EmbeddedEngine, EmbeddedOptions
 from inference.engine import Engine
-from models.qwen3 import Qwen3Config
 
 KINDS = ("embedded", "sglang")
+Served = sglang.Served
 
 
-def _sglang(config) -> sglang.SGLangConfig:
-    """The section's SGLangConfig; a run whose engine is not SGLang launches nothing."""
-    sg = sglang.SGLangConfig(**config.engine.sglang)
-    return sg if config.engine.kind == "sglang" else dataclasses.replace(sg, launch=False)
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """The `engine` section's owner: `kind`, the embedded engine's options and the SGLang
+    client's (whose `launch` is off unless `kind` is "sglang": a run on the embedded
+    engine launches nothing)."""
+
+    kind: str
+    embedded: EmbeddedOptions
+    sglang: sglang.SGLangConfig
+
+    @classmethod
+    def from_section(cls, section) -> EngineConfig:
+        sg = sglang.SGLangConfig(**section["sglang"])
+        if section["kind"] != "sglang":
+            sg = dataclasses.replace(sg, launch=False)
+        return cls(section["kind"], EmbeddedOptions.from_section(section), sg)
 
 
-def from_config(config, weights: Callable[[], Any], workdir: str,
-                model_config: Qwen3Config) -> Engine:
-    """The engine `config.engine.kind` names. weights: () -> (graphdef, params) on this
-    process's devices, called only for the embedded engine (SGLang's servers load their
-    own); model_config: the served model's."""
-    kind = config.engine.kind
-    if kind == "embedded":
-        return EmbeddedEngine(weights(), EmbeddedOptions.from_section(config.engine),
-                              seed=config.seed)
-    if kind == "sglang":
-        served = sglang.Served(hf_path=config.model.hf_path, model_config=model_config,
-                               max_context=int(config.rollout.max_context),
-                               seed=int(config.seed))
-        return sglang.connect(_sglang(config), served, workdir)
-    raise ValueError(f"engine.kind must be one of {KINDS}, got {kind!r}")
+def from_config(cfg: EngineConfig, served: Served, weights: Callable[[], Any],
+                workdir: str) -> Engine:
+    """The engine `cfg.kind` names, for the model `served` describes. weights: () ->
+    (graphdef, params) on this process's devices, called only for the embedded engine
+    (SGLang's servers load their own)."""
+    if cfg.kind == "embedded":
+        return EmbeddedEngine(weights(), cfg.embedded, seed=served.seed)
+    if cfg.kind == "sglang":
+        return sglang.connect(cfg.sglang, served, workdir)
+    raise ValueError(f"engine.kind must be one of {KINDS}, got {cfg.kind!r}")
 
 
-def placement(config) -> dict[str, Any]:
+def placement(cfg: EngineConfig) -> dict[str, Any]:
     """Which of the host's GPUs launched servers and the learner use
     (inference.sglang.placement; with the embedded engine the learner has them all)."""
-    return sglang.placement(_sglang(config))
+    return sglang.placement(cfg.sglang)
 
 
-def restrict_learner_devices(config) -> list[int]:
+def restrict_learner_devices(cfg: EngineConfig) -> list[int]:
     """Before JAX starts its backend: the learner's GPU ids, this process's JAX devices
     limited to them when it launches servers beside itself."""
-    return sglang.restrict_learner_devices(_sglang(config))
+    return sglang.restrict_learner_devices(cfg.sglang)
 
 
-def launch_commands(config, workdir: str = "WORKDIR") -> list[list[str]]:
+def launch_commands(cfg: EngineConfig, served: Served,
+                    workdir: str = "WORKDIR") -> list[list[str]]:
     """The server command lines `from_config` would run (SGLang engine), each prefixed
-    with its environment; the model is `model.hf_path` or the export of a model trained
+    with its environment; the model is `served.hf_path` or the export of a model trained
     from scratch under workdir."""
-    model_path = config.model.hf_path or os.path.join(workdir, "sglang_weights", "init")
-    return sglang.launch_commands(_sglang(config), model_path, int(config.rollout.max_context))
+    model_path = served.hf_path or os.path.join(workdir, "sglang_weights", "init")
+    return sglang.launch_commands(cfg.sglang, model_path, served.max_context)
 
 
-def check_context(config, model_config: Qwen3Config) -> None:
+def check_context(cfg: EngineConfig, served: Served) -> None:
     """An SGLang run's rollout.max_context fits the served model (refused up front)."""
-    if config.engine.kind == "sglang":
-        sglang.check_context(int(config.rollout.max_context), model_config)
+    if cfg.kind == "sglang":
+        sglang.check_context(served.max_context, served.model_config)

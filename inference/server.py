@@ -31,7 +31,7 @@ tokens generated so far, as SGLang's does.
 
 Run: `python -m inference.server --preset tiny --seed 0 --port 30000`, or
 `--model-path HF_DIR`, or `--config WORKDIR/config.json` (the model and engine sections
-of the config a training run wrote in its workdir, see `engine_from_config`).
+of the config a training run wrote in its workdir, `engine_from_saved_config`).
 """
 
 from __future__ import annotations
@@ -435,18 +435,16 @@ class Server:
 # ----------------------------------------------------------------------------- command line
 
 
-def engine_from_config(config) -> tuple[Engine, str | None]:
-    """An EmbeddedEngine from a training config: `model.hf_path` or else a
-    `model.preset` initialised from `seed`, with the options of `config.engine`
-    (as train.py builds it)."""
-    # JAX and the model load only in a process that serves a model of its own: the
-    # Server above wraps any Engine, and its importers need neither.
-    from inference.embedded import EmbeddedOptions
+def engine_from_saved_config(path: str) -> tuple[Engine, str | None]:
+    """The engine of a run's config.json (train.py writes it in the workdir): its model
+    section, seed and engine options, as train.py builds them."""
+    from inference.embedded import EmbeddedOptions  # (as in build_engine)
 
-    model_cfg = config.model
-    return build_engine(hf_dir=model_cfg.hf_path or None, preset=model_cfg.preset or None,
-                        seed=int(config.seed), overrides=dict(model_cfg),
-                        options=EmbeddedOptions.from_section(config.engine))
+    with open(path) as f:
+        saved = json.load(f)
+    model = saved["model"]
+    return build_engine(model["hf_path"] or None, model["preset"] or None, int(saved["seed"]),
+                        model, EmbeddedOptions.from_section(saved["engine"]))
 
 
 def build_engine(hf_dir: str | None, preset: str | None, seed: int,
@@ -454,7 +452,8 @@ def build_engine(hf_dir: str | None, preset: str | None, seed: int,
     """An EmbeddedEngine (with EmbeddedOptions `options`) over an HF directory or a
     randomly initialised preset (with the Qwen3Config fields found in `overrides`,
     models.loading.model_config)."""
-    # As in engine_from_config: JAX and the model only where a model is served.
+    # JAX and the model load only in a process that serves a model of its own: the
+    # Server above wraps any Engine, and its importers need neither.
     from inference.embedded import EmbeddedEngine
     from models import hf_io, loading
 
@@ -470,7 +469,7 @@ def build_engine(hf_dir: str | None, preset: str | None, seed: int,
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from inference.embedded import EmbeddedOptions  # (as in engine_from_config)
+    from inference.embedded import EmbeddedOptions  # (as in build_engine)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", help="a run's config.json (train.py writes it in the workdir; "
@@ -501,10 +500,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.config:
-        import ml_collections  # (a config's reader, only for --config)
-
-        with open(args.config) as f:
-            engine, model_path = engine_from_config(ml_collections.ConfigDict(json.load(f)))
+        engine, model_path = engine_from_saved_config(args.config)
     else:
         options = EmbeddedOptions(
             max_batch=args.max_batch, max_len=args.context_length or args.max_len,

@@ -696,22 +696,22 @@ def free_port(host: str = "127.0.0.1") -> int:
 class SGLangLauncher:
     """Runs one server process; a context manager.
 
-    config: a LauncherConfig, or a mapping / ConfigDict with its fields.
+    cfg: a LauncherConfig, or a mapping with its fields.
     """
 
-    def __init__(self, config):
-        if not isinstance(config, LauncherConfig):
-            items = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    def __init__(self, cfg):
+        if not isinstance(cfg, LauncherConfig):
+            items = dict(cfg)
             known = {f.name for f in dataclasses.fields(LauncherConfig)}
             unknown = set(items) - known
             if unknown:
                 raise KeyError(f"unknown launcher option(s) {sorted(unknown)}; "
                                f"known: {sorted(known)}")
-            config = LauncherConfig(**items)
-        self.config = config
-        self.port = config.port or free_port(config.host)
-        self.url = f"http://{config.host}:{self.port}"
-        self.log_path = config.log_path or tempfile.mkstemp(prefix="server_", suffix=".log")[1]
+            cfg = LauncherConfig(**items)
+        self.config = cfg
+        self.port = cfg.port or free_port(cfg.host)
+        self.url = f"http://{cfg.host}:{self.port}"
+        self.log_path = cfg.log_path or tempfile.mkstemp(prefix="server_", suffix=".log")[1]
         self.process: subprocess.Popen | None = None
 
     def command(self) -> list[str]:

@@ -48,6 +48,7 @@ The design, and why:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -73,7 +74,17 @@ R = TypeVar("R")
 # ------------------------------------------------------------------ runtime
 
 
-def initialize(dist_cfg) -> bool:
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """The `distributed` section (configs.common.distributed_defaults documents each key)."""
+
+    coordinator: str
+    num_processes: int
+    process_id: int
+    auto: bool
+
+
+def initialize(dist_cfg: DistributedConfig) -> bool:
     """Starts JAX's distributed runtime when the config or the environment asks for it;
     returns whether it did. Must run before anything touches a JAX device.
 
@@ -127,20 +138,6 @@ def layout(mesh_cfg=None) -> dict[str, Any]:
 def is_primary() -> bool:
     """Whether this process writes files, metrics and console lines."""
     return jax.process_index() == 0
-
-
-def check_supported(config) -> None:
-    """Refuses what does not run over several processes, naming the key."""
-    if jax.process_count() == 1:
-        return
-    if config.algo == "spo":
-        raise ValueError("algo='spo' runs in one process: its stream collector draws prompts "
-                         "as rollouts finish, an order no two hosts share; use algo='grpo' "
-                         "for multi-host runs")
-    if config.engine.kind == "sglang" and not config.engine.sglang.urls:
-        raise ValueError("a multi-host run takes its SGLang servers from engine.sglang.urls "
-                         "(every host's client shares them; process 0 updates them once per "
-                         "version), not engine.sglang.launch on every host")
 
 
 def barrier(name: str) -> None:

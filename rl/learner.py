@@ -15,14 +15,15 @@ kernels.logprob.token_logprobs without materialising [N, V] logits.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx
@@ -33,6 +34,46 @@ from kernels.logprob.api import token_logprobs
 from models import sharding
 from rl import loss as losses
 from rl.batch import Batch, pack_arrays, unpack
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """The `learner.optim` section, one field per key (configs.common.learner_defaults
+    documents each)."""
+
+    lr: float
+    warmup_steps: int
+    schedule: str
+    decay_steps: int
+    end_lr_frac: float
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    max_grad_norm: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+    """The `learner` section, one field per key (configs.common.learner_defaults documents
+    each); `optim` and `loss` are its subsections' owners."""
+
+    num_minibatches: int
+    num_microbatches: int
+    rows_multiple: int
+    temperature: float
+    logprob_impl: str | None
+    seed: int
+    row_buckets: tuple[int, ...]
+    optim: OptimConfig
+    loss: losses.LossConfig
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any]) -> LearnerConfig:
+        """The owner of a `learner` section and its two subsections."""
+        return cls(**{**section, "row_buckets": tuple(section["row_buckets"]),
+                      "optim": OptimConfig(**section["optim"]),
+                      "loss": losses.LossConfig(**section["loss"])})
 
 
 @flax.struct.dataclass
@@ -48,7 +89,7 @@ class TrainState:
 # --------------------------------------------------------------------------- optimizer
 
 
-def make_schedule(optim: ml_collections.ConfigDict) -> optax.Schedule:
+def make_schedule(optim: OptimConfig) -> optax.Schedule:
     """Learning rate per optimizer update: linear warmup 0 -> lr, then constant or cosine."""
     if optim.schedule == "constant":
         main = optax.constant_schedule(optim.lr)
@@ -64,7 +105,7 @@ def make_schedule(optim: ml_collections.ConfigDict) -> optax.Schedule:
     return optax.join_schedules([warmup, main], [optim.warmup_steps])
 
 
-def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
     """AdamW on the schedule, after global-norm gradient clipping."""
     optim = cfg.optim
     adamw = optax.adamw(make_schedule(optim), b1=optim.b1, b2=optim.b2, eps=optim.eps,
@@ -82,7 +123,7 @@ def _init_state(params, optimizer) -> TrainState:
                       step=jnp.zeros((), jnp.int32))
 
 
-def state_shardings(abstract_state: TrainState, cfg, mesh: Mesh) -> TrainState:
+def state_shardings(abstract_state: TrainState, cfg: LearnerConfig, mesh: Mesh) -> TrainState:
     """NamedShardings of a TrainState: parameters and their optimizer moments per
     models.sharding rules, everything else replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -100,7 +141,7 @@ def split_params(model: nnx.Module) -> tuple[nnx.GraphDef, dict]:
     return graphdef, nnx.to_pure_dict(params)
 
 
-def abstract_train_state(model: nnx.Module, cfg, mesh: Mesh | None = None):
+def abstract_train_state(model: nnx.Module, cfg: LearnerConfig, mesh: Mesh | None = None):
     """(graphdef, TrainState of jax.ShapeDtypeStruct with shardings); `model` may be
     abstract (nnx.eval_shape), so nothing is allocated. For Checkpointer.restore."""
     graphdef, params = split_params(model)
@@ -113,7 +154,7 @@ def abstract_train_state(model: nnx.Module, cfg, mesh: Mesh | None = None):
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings)
 
 
-def init_train_state(model: nnx.Module, cfg, mesh: Mesh | None = None):
+def init_train_state(model: nnx.Module, cfg: LearnerConfig, mesh: Mesh | None = None):
     """(graphdef, TrainState) with the model's parameters, sharded over `mesh` if given."""
     graphdef, params = split_params(model)
     optimizer = make_optimizer(cfg)
@@ -128,7 +169,7 @@ def init_train_state(model: nnx.Module, cfg, mesh: Mesh | None = None):
 # --------------------------------------------------------------------------- batches
 
 
-def row_multiple(cfg, mesh: Mesh | None = None) -> int:
+def row_multiple(cfg: LearnerConfig, mesh: Mesh | None = None) -> int:
     """Rows of a packed batch are a multiple of this: of mini x micro x data shards
     (required) and of cfg.rows_multiple (fewer batch shapes to compile)."""
     shards = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
@@ -136,7 +177,7 @@ def row_multiple(cfg, mesh: Mesh | None = None) -> int:
                     cfg.rows_multiple)
 
 
-def check_rows(batch: Batch, cfg, mesh: Mesh | None = None) -> None:
+def check_rows(batch: Batch, cfg: LearnerConfig, mesh: Mesh | None = None) -> None:
     """Raises ValueError unless the batch's rows split evenly into micro-batches and shards."""
     multiple = row_multiple(cfg, mesh)
     if batch.tokens.shape[0] % multiple:
@@ -205,7 +246,7 @@ def mesh_context(mesh: Mesh | None):
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
-def make_compute_logprobs(graphdef, cfg, mesh: Mesh | None = None):
+def make_compute_logprobs(graphdef, cfg: LearnerConfig, mesh: Mesh | None = None):
     """Jitted `compute_logprobs(params, batch) -> logp [R, L]` (no gradient), evaluated
     in mini x micro-batch chunks like the train step. For reference and learner-side
     old log-probs."""
@@ -351,7 +392,7 @@ def _step(state: TrainState, batch: Batch, ref_params, graphdef, cfg, mesh):
             jax.lax.with_sharding_constraint(metrics, replicated))
 
 
-def make_train_step(graphdef, cfg, mesh: Mesh | None = None):
+def make_train_step(graphdef, cfg: LearnerConfig, mesh: Mesh | None = None):
     """`train_step(state, batch, ref_params=None) -> (state, metrics)`.
 
     batch: a `Batch` (host NumPy is placed on the mesh) whose rows are a multiple of
@@ -360,7 +401,6 @@ def make_train_step(graphdef, cfg, mesh: Mesh | None = None):
     mini-batches; grad_norm before clipping, lr of the first update). A non-finite
     loss or gradient norm raises FloatingPointError naming the train step.
     """
-    losses.check_config(cfg.loss)
     step_fn = functools.partial(_step, graphdef=graphdef, cfg=cfg, mesh=mesh)
     jitted = jax.jit(step_fn, donate_argnums=0)
 

@@ -23,6 +23,7 @@ mini-batch loss and gradient accumulation is exact.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -169,6 +170,28 @@ def offpolicy_metrics(cfg, weight, keep, geo_ratio, valid, token_weights):
              geo_ratio_max=jnp.max(some(geo_ratio, -jnp.inf)),
              geo_ratio_min=jnp.min(some(geo_ratio, jnp.inf)))
     return m
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """The `learner.loss` section, one field per key (each documented with its default in
+    configs.common.learner_defaults); built, it has passed `check_config`."""
+
+    name: str
+    agg: str
+    eps_low: float
+    eps_high: float
+    dual_clip: float
+    kl: str
+    kl_coef: float
+    old_logprobs: str
+    tis_cap: float
+    tis_level: str
+    seq_mask_low: float
+    seq_mask_high: float
+
+    def __post_init__(self):
+        check_config(self)
 
 
 def check_config(cfg) -> None:

@@ -88,18 +88,12 @@ class PrefixConfig:
     revisit: bool
 
     def __post_init__(self):
-        if self.replay not in ("patch", "reexec"):
-            raise ValueError(f"replay must be 'patch' or 'reexec', got {self.replay!r}")
-        if not 0.0 <= self.low <= self.high <= 1.0:
-            raise ValueError(f"need 0 <= low <= high <= 1, got low={self.low} high={self.high}")
-        if not 0.0 <= self.max_share <= 1.0:
-            raise ValueError(f"max_share must be in [0, 1], got {self.max_share}")
-        if self.max_age < 1:
-            raise ValueError(f"max_age must be >= 1 (tasks run the step after), got {self.max_age}")
-        for name in ("remaining_cap", "prefix_cap"):
-            cap = getattr(self, name)
-            if cap < 0:
-                raise ValueError(f"{name} must be 0 (uncapped) or >= 1, got {cap}")
+        # Each key's range and choices: configs.common (RANGES, CHOICES); here the
+        # section's combinations.
+        for low, high in (("low", "high"), ("ratio_min", "ratio_max")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(f"ps.{low} ({getattr(self, low)}) must be <= ps.{high} "
+                                 f"({getattr(self, high)})")
 
     def cap(self, kind: str) -> int | None:
         """The step cap of a kind's mode; None when uncapped (0 in the config)."""
@@ -149,7 +143,7 @@ def classify_groups(groups: Sequence[Sequence[Trajectory]], low: float = 0.3,
     """Classify every group (the N rollouts of one task from one start state)."""
     k, n = np.zeros(len(groups), np.int64), np.zeros(len(groups), np.int64)
     for i, group in enumerate(groups):
-        rewards = [t.reward for t in [t for t in group if t.is_scored]]
+        rewards = [t.reward for t in group if t.is_scored]
         if any(r not in (0, 1) for r in rewards):
             raise ValueError(f"group {i}: rewards must be 0 or 1, got {sorted(set(rewards))}")
         k[i], n[i] = sum(rewards), len(rewards)
@@ -188,7 +182,7 @@ def select_source(trajs: Sequence[Trajectory], kind: str,
     because they cannot make a prefix task. None when no rollout qualifies.
     """
     want = 1 if _check_kind(kind) == "too_hard" else 0
-    cands = [t for t in [t for t in trajs if t.is_scored] if t.reward == want and t.num_steps >= 2]
+    cands = [t for t in trajs if t.is_scored and t.reward == want and t.num_steps >= 2]
     if not cands:
         return None
     return cands[int(rng.integers(len(cands)))]
@@ -256,10 +250,8 @@ class PrefixQueue:
     take() hands out the freshest first (ties: insertion order) and removes them.
     """
 
-    def __init__(self, max_age: int = 2):
-        if max_age < 1:
-            raise ValueError(f"max_age must be >= 1, got {max_age}")
-        self.max_age = max_age
+    def __init__(self, max_age: int):
+        self.max_age = max_age  # ps.max_age, >= 1 (configs.common.RANGES)
         self.tasks: list[PrefixTask] = []
         self.expired_total = 0
         self.last_expired = 0
@@ -439,8 +431,8 @@ def prefix_pass_rates(groups: Sequence[Sequence[Trajectory]]) -> dict[str, tuple
     """(successes, scored rollouts) of the prefix-task rollouts of each kind."""
     out = {k: (0, 0) for k in KINDS}
     for group in groups:
-        for t in [t for t in group if t.is_scored]:
-            if t.prefix is not None:
+        for t in group:
+            if t.is_scored and t.prefix is not None:
                 s, n = out[t.prefix.kind]
                 out[t.prefix.kind] = (s + int(t.reward), n + 1)
     return out

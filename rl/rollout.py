@@ -127,7 +127,9 @@ class RolloutJob:
 
 def encode_jobs(jobs: Sequence[RolloutJob]) -> dict[str, Any]:
     """Host state of rollout jobs (task ids, seeds, replay modes and prefix tasks)."""
-    prefixes = PrefixQueue()
+    # The queue only encodes the prefix tasks: its max_age is never read (2, as the
+    # checkpoints written so far hold).
+    prefixes = PrefixQueue(max_age=2)
     prefixes.push([j.prefix for j in jobs if j.prefix is not None])
     return {"task_ids": [j.task.instance_id for j in jobs], "seeds": [j.seed for j in jobs],
             "replay": [j.replay for j in jobs],
@@ -137,7 +139,7 @@ def encode_jobs(jobs: Sequence[RolloutJob]) -> dict[str, Any]:
 
 def decode_jobs(state: Mapping[str, Any], task_by_id: Mapping[str, Any]) -> list[RolloutJob]:
     """The jobs `encode_jobs` saved."""
-    prefixes = PrefixQueue()
+    prefixes = PrefixQueue(max_age=2)  # (restored from the state: a codec, as above)
     prefixes.load_state_dict(state["prefixes"])
     queued = iter(prefixes.tasks)
     return [RolloutJob(task_by_id[t], prefix=next(queued) if has else None, seed=int(seed),
@@ -181,7 +183,7 @@ class Agent:
     """
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, sandboxes: SandboxPool,
-                 cfg: RolloutConfig, tools_in_prompt: bool = True,
+                 cfg: RolloutConfig, *, tools_in_prompt: bool,
                  latency: LatencyModel | None = None):
         self.engine = engine
         self.latency = latency if latency is not None and latency.enabled else None

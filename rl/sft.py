@@ -11,6 +11,7 @@ learner's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
@@ -19,7 +20,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from flax import nnx
 
@@ -36,18 +36,55 @@ from rl.types import Trajectory
 log = logging.getLogger(__name__)
 
 
-def sft_config(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A copy of the learner section with the cross-entropy loss, token-mean, no KL, and
-    no padding rows."""
-    cfg = cfg.copy_and_resolve_references()
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    """The `sft` section: the warm start's length, batch and learning-rate schedule, and
+    its demonstrations (how many, the share of them imperfect)."""
+
+    steps: int
+    batch_size: int
+    lr: float
+    warmup_steps: int
+    end_lr_frac: float
+    num_demos: int
+    imperfect_share: float
+
+    def __post_init__(self):
+        if self.steps and min(self.batch_size, self.num_demos) < 1:
+            raise ValueError(f"sft.steps={self.steps} needs sft.batch_size >= 1 and "
+                             f"sft.num_demos >= 1, got {self.batch_size} and {self.num_demos}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """The `tokenizer` section: a released tokenizer.json (`path`), or '' for the BPE of
+    `bpe_vocab_size` tokens trained on the tasks."""
+
+    path: str
+    bpe_vocab_size: int
+
+
+def sft_config(cfg: learner.LearnerConfig) -> learner.LearnerConfig:
+    """The learner's owner with the cross-entropy loss, token-mean, no KL, and no padding
+    rows."""
     # Batches of a fixed number of demonstrations pack into a narrow range of row counts
     # (9-15 in the default): padding them to a multiple would cost more compute than
     # compiling each count once.
-    cfg.rows_multiple = 1
-    cfg.loss.name, cfg.loss.agg = "sft", "token-mean"
-    cfg.loss.kl, cfg.loss.kl_coef = "none", 0.0
-    cfg.loss.old_logprobs, cfg.loss.tis_cap = "sampler", 0.0
-    return cfg
+    loss = dataclasses.replace(cfg.loss, name="sft", agg="token-mean", kl="none", kl_coef=0.0,
+                               old_logprobs="sampler", tis_cap=0.0)
+    return dataclasses.replace(cfg, rows_multiple=1, loss=loss)
+
+
+def sft_learner_config(cfg: learner.LearnerConfig, sft: SFTConfig,
+                       total_steps: int) -> learner.LearnerConfig:
+    """The learner's owner for SFT (`sft_config`) with its own lr and warmup, then a cosine
+    decay to `sft.end_lr_frac` of the lr at the last of `total_steps` updates (a constant
+    lr leaves the final weights wherever the last noisy steps put them)."""
+    optim = dataclasses.replace(cfg.optim, lr=sft.lr, warmup_steps=sft.warmup_steps,
+                                schedule="cosine",
+                                decay_steps=max(1, total_steps - sft.warmup_steps),
+                                end_lr_frac=sft.end_lr_frac)
+    return dataclasses.replace(sft_config(cfg), optim=optim)
 
 
 def pack_demonstrations(demos: Sequence[Trajectory], *, buckets: Sequence[int],
@@ -72,15 +109,14 @@ def demo_batches(demos: Sequence[Trajectory], batch_size: int, epochs: int,
 
 
 def train_sft(state: learner.TrainState, graphdef, batches: Iterable[Sequence[Trajectory]],
-              cfg: ml_collections.ConfigDict, *, mesh=None,
+              cfg: learner.LearnerConfig, *, mesh=None,
               on_metrics: Callable[[int, dict], None] | None = None) -> learner.TrainState:
     """Runs the warm start, one train step per batch of demonstrations (e.g. from
     `demo_batches`) packed into cfg.row_buckets; `on_metrics(step, host_metrics)` after
     every step.
 
-    cfg: the learner section (its loss is replaced by `sft_config`).
+    cfg: the learner's owner for SFT (`sft_config`, `sft_learner_config`).
     """
-    cfg = sft_config(cfg)
     train_step = learner.make_train_step(graphdef, cfg, mesh)
     multiple = learner.row_multiple(cfg, mesh)
     for demo_batch in batches:
@@ -104,15 +140,16 @@ def expert_actions_text(calls: Sequence[dict[str, Any]] | miniswe.Demo) -> list[
     return [render_tool_call(c) for c in calls]
 
 
-async def demonstrations(config, agent: Agent, train: Sequence[Task]) -> list[Trajectory]:
+async def demonstrations(cfg: SFTConfig, seed: int, agent: Agent,
+                         train: Sequence[Task]) -> list[Trajectory]:
     """Scripted expert demonstrations on training tasks, a share of them imperfect,
     rendered through the agent's own loop (identical token layout); over several
     processes each renders its share and all get every demonstration."""
-    rng = random.Random(config.seed)
-    chosen = TaskSampler(train, seed=config.seed).next(config.sft.num_demos)
+    rng = random.Random(seed)
+    chosen = TaskSampler(train, seed=seed).next(cfg.num_demos)
     scripts = []
     for task in chosen:
-        demo = miniswe.expert_demo(task, imperfect=rng.random() < config.sft.imperfect_share,
+        demo = miniswe.expert_demo(task, imperfect=rng.random() < cfg.imperfect_share,
                                    rng=rng)
         scripts.append((task, expert_actions_text(demo)))
     with progress(len(scripts), "demonstrations") as bar:
@@ -128,32 +165,20 @@ async def demonstrations(config, agent: Agent, train: Sequence[Task]) -> list[Tr
     return [d for d in demos if not d.is_env_error and d.num_generated_tokens]
 
 
-def sft_learner_config(config, total_steps: int) -> ml_collections.ConfigDict:
-    """The learner config for SFT: its own lr and warmup, then a cosine decay to
-    `sft.end_lr_frac` of the lr at the last of `total_steps` updates (a constant lr leaves
-    the final weights wherever the last noisy steps put them)."""
-    cfg = config.learner.copy_and_resolve_references()
-    cfg.optim.lr = config.sft.lr
-    cfg.optim.warmup_steps = config.sft.warmup_steps
-    cfg.optim.schedule = "cosine"
-    cfg.optim.decay_steps = max(1, total_steps - config.sft.warmup_steps)
-    cfg.optim.end_lr_frac = config.sft.end_lr_frac
-    return cfg
-
-
-async def warm_start(config, agent: Agent, train_tasks: Sequence[Task], graphdef,
-                     state: learner.TrainState, mesh, writer: MetricWriter
-                     ) -> learner.TrainState:  # (7 parameters: the learner's three parts)
+async def warm_start(cfg: SFTConfig, learner_cfg: learner.LearnerConfig, agent: Agent,
+                     train_tasks: Sequence[Task], graphdef, state: learner.TrainState, mesh,
+                     writer: MetricWriter
+                     ) -> learner.TrainState:  # (8: two owners, the learner's three parts)
     """SFT on scripted expert demonstrations, some imperfect, then a fresh RL optimizer."""
     t0 = time.perf_counter()
-    demos = await demonstrations(config, agent, train_tasks)
+    demos = await demonstrations(cfg, learner_cfg.seed, agent, train_tasks)
     log.info("SFT on %d demonstrations (%d correct, %d tokens; rendered in %.0fs)", len(demos),
              sum(d.reward == 1 for d in demos), sum(len(d.token_arrays()[0]) for d in demos),
              time.perf_counter() - t0)
     t0 = time.perf_counter()
-    epochs = max(1, round(config.sft.steps * config.sft.batch_size / len(demos)))
-    total = epochs * -(-len(demos) // config.sft.batch_size)
-    sft_cfg = sft_learner_config(config, total)
+    epochs = max(1, round(cfg.steps * cfg.batch_size / len(demos)))
+    total = epochs * -(-len(demos) // cfg.batch_size)
+    sft_cfg = sft_learner_config(learner_cfg, cfg, total)
     _, sft_state = learner.init_train_state(nnx.merge(graphdef, state.params), sft_cfg, mesh)
     with progress(total, "SFT") as bar:
         def on_metrics(step, m):
@@ -162,11 +187,11 @@ async def warm_start(config, agent: Agent, train_tasks: Sequence[Task], graphdef
                 writer.write_scalars(step, {f"sft/{k}": v for k, v in m.items()})
             if step % 25 == 0:
                 log.info("SFT step %d: loss %.3f", step, m["loss"])
-        batches = demo_batches(demos, config.sft.batch_size, epochs, seed=sft_cfg.seed)
+        batches = demo_batches(demos, cfg.batch_size, epochs, seed=sft_cfg.seed)
         sft_state = await asyncio.to_thread(train_sft, sft_state, graphdef, batches, sft_cfg,
                                             mesh=mesh, on_metrics=on_metrics)
     log.info("SFT: %d steps in %.0fs", total, time.perf_counter() - t0)
-    _, state = learner.init_train_state(nnx.merge(graphdef, sft_state.params), config.learner,
+    _, state = learner.init_train_state(nnx.merge(graphdef, sft_state.params), learner_cfg,
                                         mesh)
     return state
 
@@ -183,15 +208,16 @@ def tokenizer_corpus(train_tasks: Sequence[Task]) -> Iterator[str]:
         yield "\n".join(expert_actions_text(miniswe.expert_demo(task)))
 
 
-def build_tokenizer(config, workdir: str, train_tasks: Sequence[Task]) -> Tokenizer:
+def build_tokenizer(cfg: TokenizerConfig, workdir: str, train_tasks: Sequence[Task]
+                    ) -> Tokenizer:
     """A released tokenizer.json (`tokenizer.path`), or the BPE trained on the tasks
     (saved in the workdir on first use, so a resumed run tokenizes exactly as before)."""
-    if config.tokenizer.path:
-        return Tokenizer.from_file(config.tokenizer.path)
+    if cfg.path:
+        return Tokenizer.from_file(cfg.path)
     path = os.path.join(workdir, "tokenizer.json")
     if os.path.exists(path):
         return Tokenizer.from_file(path)
-    tok = train_bpe(tokenizer_corpus(train_tasks), config.tokenizer.bpe_vocab_size)
+    tok = train_bpe(tokenizer_corpus(train_tasks), cfg.bpe_vocab_size)
     # Replaced whole: the other processes of a multi-host run train the same BPE and
     # may read the file while this one writes it.
     tok.save(f"{path}.{jax.process_index()}.tmp")

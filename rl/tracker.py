@@ -241,7 +241,14 @@ class SPOConfig:
     drift_tokens: str
 
     def __post_init__(self):
+        # Each key's range and choices: configs.common (RANGES, CHOICES); here the
+        # section's combinations.
         object.__setattr__(self, "prior", (float(self.prior[0]), float(self.prior[1])))
+        if self.rho_min > self.rho_max:
+            raise ValueError(f"spo.rho_min ({self.rho_min}) must be <= spo.rho_max "
+                             f"({self.rho_max})")
+        if self.init_samples and self.init_values:
+            raise ValueError("set one of spo.init_samples and spo.init_values, not both")
 
 
 class BetaTracker:
@@ -259,17 +266,6 @@ class BetaTracker:
     """
 
     def __init__(self, cfg: SPOConfig, capacity: int = 1024):
-        if cfg.rho_type not in ("kl", "constant"):
-            raise ValueError(f"rho_type must be 'kl' or 'constant', got {cfg.rho_type!r}")
-        if not 0.0 < cfg.rho_min <= cfg.rho_max <= 1.0:
-            raise ValueError(f"need 0 < rho_min <= rho_max <= 1, got {cfg.rho_min}, "
-                             f"{cfg.rho_max}")
-        if min(cfg.prior) < 0 or sum(cfg.prior) <= 0:
-            raise ValueError(f"prior (alpha, beta) must be >= 0 with a positive sum, "
-                             f"got {cfg.prior}")
-        if cfg.duplicates not in ("sequential", "last"):
-            raise ValueError(f"duplicates must be 'sequential' or 'last', got "
-                             f"{cfg.duplicates!r}")
         self.rho_type, self.d_half, self.duplicates = cfg.rho_type, cfg.d_half, cfg.duplicates
         self.rho_min, self.rho_max = cfg.rho_min, cfg.rho_max
         self.prior = cfg.prior

@@ -1,10 +1,15 @@
 """Config owners for tests (they have no defaults of their own): the default config's
 section with the values a test sets."""
 
-from configs import default
+from configs import common, default
+from env.config import EnvConfig
 from inference.embedded import EmbeddedOptions
 from inference.sglang import SGLangConfig
+from rl.algos import AlgoConfig
+from rl.learner import LearnerConfig
+from rl.prefix import PrefixConfig
 from rl.rollout import RolloutConfig
+from rl.tracker import SPOConfig
 
 SECTION = default.get_config().rollout
 # The embedded engine at its smallest: one-row and 16-token buckets, a window of any
@@ -26,3 +31,29 @@ def engine_options(**values) -> EmbeddedOptions:
 
 def sglang_config(**values) -> SGLangConfig:
     return SGLangConfig(**{**SGLANG, **values})
+
+
+def learner_config(optim=None, loss=None, **values) -> LearnerConfig:
+    """The learner section's documented defaults (configs.common.learner_defaults; the
+    default config's row_buckets) with the values a test sets, `optim` and `loss` as dicts
+    of their subsections' keys."""
+    section = common.learner_defaults()
+    return LearnerConfig.from_section({
+        **section, "row_buckets": default.get_config().learner.row_buckets, **values,
+        "optim": {**section.optim, **(optim or {})}, "loss": {**section.loss, **(loss or {})}})
+
+
+def algo_config(ps=None, spo=None, **values) -> AlgoConfig:
+    """The algorithm's config: seed 0, grpo advantages with degenerate groups rejected,
+    the `ps` and `spo` sections' documented defaults (configs.common) and the default
+    config's rollout section, with the values a test sets (`ps`, `spo` as dicts)."""
+    top = dict(name="grpo", advantage="grpo", reject_degenerate=True, seed=0)
+    return AlgoConfig(**{**top, **values},
+                      ps=PrefixConfig(**{**common.prefix_defaults(), **(ps or {})}),
+                      spo=SPOConfig(**{**common.spo_defaults(), **(spo or {})}),
+                      rollout=rollout_config())
+
+
+def env_config(**values) -> EnvConfig:
+    """The default config's env section with the values a test sets."""
+    return EnvConfig.from_section({**default.get_config().env, **values})

@@ -6,15 +6,14 @@ Sampling's host state round trip."""
 import asyncio
 import json
 
-import ml_collections
 import numpy as np
 import pytest
 
-from configs import common
 from env.tasks import Task
 from rl import algos
 from rl.tracker import load_offline_values, policy_drift, rho_from_drift
 from rl.types import Trajectory, Turn
+from tests.owners import algo_config
 from tests.spo_official import OfficialSPO
 
 POOL = [f"task{i}" for i in range(10)]
@@ -25,11 +24,7 @@ def _tasks(ids=POOL):
 
 
 def _config(batch_tasks=6, **spo_overrides):
-    c = ml_collections.ConfigDict(dict(seed=0, algo="spo", batch_tasks=batch_tasks))
-    c.spo = common.spo_defaults()
-    c.spo.update(spo_overrides)
-    c.rollout = common.staleness_defaults()
-    return c
+    return algo_config(name="spo", batch_tasks=batch_tasks, group_size=1, spo=spo_overrides)
 
 
 def policy_logp(version: int, ids, mask) -> np.ndarray:
@@ -143,11 +138,7 @@ def test_spo_starts_fresh_from_a_grpo_warm_start_but_not_from_a_later_step():
 
 
 def _grpo_config():
-    c = ml_collections.ConfigDict(dict(seed=0, batch_tasks=2, group_size=2, advantage="grpo",
-                                       reject_degenerate=True))
-    c.ps = common.prefix_defaults()
-    c.rollout = common.staleness_defaults()
-    return c
+    return algo_config(batch_tasks=2, group_size=2)
 
 
 @pytest.mark.parametrize("form", ["paper", "reference"])

@@ -24,19 +24,17 @@ SETUP = textwrap.dedent("""
     import numpy as np
     from flax import nnx
 
-    from configs import common
     from models.qwen3 import Qwen3, Qwen3Config
     from models.sharding import make_mesh
     from rl import learner
     from rl.batch import pack_arrays
+    from tests.owners import learner_config
 
     TINY = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                        num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
                        rms_norm_eps=1e-6, tie_word_embeddings=True,
                        max_position_embeddings=256)
-    CFG = common.learner_defaults()
-    CFG.optim.lr = 1e-2
-    CFG.num_minibatches = 2
+    CFG = learner_config(optim={"lr": 1e-2}, num_minibatches=2)
     MESH = make_mesh(data=2, fsdp=2, tensor=2)
 
     def model():

@@ -1,4 +1,6 @@
 """Every config default is written once, in configs/; each section's owner takes it whole.
+Typed at the door: train.py turns the run config into owners once (`train.owners`), and
+no module below it imports ml_collections or takes the run config.
 
 - A section with an owner dataclass (OWNERS): in every config, the owner's fields are the
   section's keys (less the subsections and keys another owner reads, named here), no
@@ -27,11 +29,14 @@ import re
 
 import pytest
 
+import train
 from configs import common, default
+from env import config as env_config
 from env import latency
-from inference import embedded, sglang
+from inference import build, embedded, sglang
 from models import loading, sharding
-from rl import prefix, rollout, tracker
+from rl import algos, distributed, learner, prefix, rollout, sft, tracker
+from rl import loss as losses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPECS = [os.path.relpath(p, ROOT) for p in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))
@@ -44,12 +49,22 @@ OWNERS = {
     "ps": (prefix.PrefixConfig, ()),
     "spo": (tracker.SPOConfig, ()),
     "rollout": (rollout.RolloutConfig, ()),
+    "env": (env_config.EnvConfig, ()),
     "env.latency": (latency.LatencyConfig, ()),
-    "engine": (embedded.EmbeddedOptions, ("kind", "sglang")),  # kind: inference.build
+    "engine": (embedded.EmbeddedOptions, ("kind", "sglang")),  # kind: build.EngineConfig
     "engine.sglang": (sglang.SGLangConfig, ()),
+    "learner": (learner.LearnerConfig, ()),
+    "learner.optim": (learner.OptimConfig, ()),
+    "learner.loss": (losses.LossConfig, ()),
+    "sft": (sft.SFTConfig, ()),
+    "tokenizer": (sft.TokenizerConfig, ()),
+    "distributed": (distributed.DistributedConfig, ()),
 }
+# Owners with subsections build through their classmethod (each subsection's owner).
+BUILDERS = {"env": env_config.EnvConfig.from_section,
+            "learner": learner.LearnerConfig.from_section}
 FUNCTIONS = {"mesh": (sharding.make_mesh, ("devices",))}
-PRODUCT = ("train.py", "rl", "env", "inference", "models")
+PRODUCT = ("train.py", "rl", "env", "inference", "models", "kernels")
 # Sections whose keys differ between configs, with no owner dataclass yet. The test fails
 # when one becomes even (remove it here).
 UNEVEN: set[str] = set()
@@ -83,7 +98,8 @@ def test_an_owners_fields_are_its_sections_keys_without_defaults(configs, sectio
     for spec, config in configs.items():
         keys = set(_section(config, section)) - set(elsewhere)
         assert set(fields) == keys, (spec, section, set(fields) ^ keys)
-        owner(**{k: _section(config, section)[k] for k in keys})  # builds as it is
+        values = {k: _section(config, section)[k] for k in keys}
+        BUILDERS.get(section, lambda v: owner(**v))(values)  # builds as it is
 
 
 @pytest.mark.parametrize("section", sorted(FUNCTIONS))
@@ -196,3 +212,60 @@ def test_every_key_of_a_section_taken_whole_is_read(configs, section):
         values = _section(config, section) if section else config
         keys = {k for k, v in values.items() if not isinstance(v, common.ConfigDict)}
         assert keys - read == set(), (spec, section)
+
+
+# ------------------------------------------------------------------ typed at the door
+
+# The modules that see the run config: the config files and the entry point.
+DOOR = ("configs/", "train.py")
+
+
+def test_train_builds_every_sections_owner_once(configs):
+    """train.owners builds every section's owner (and the engine's, whose `kind` picks
+    between its two subsections' owners); the top-level keys are AlgoConfig's and
+    LoopConfig's fields."""
+    sections = {"name", "ps", "spo", "rollout"}  # name: the `algo` key
+    top = ({"algo"} | {f.name for f in dataclasses.fields(algos.AlgoConfig)} - sections
+           | {f.name for f in dataclasses.fields(train.LoopConfig)})
+    for spec, config in configs.items():
+        sections = train.owners(config)
+        assert isinstance(sections.engine, build.EngineConfig)
+        assert isinstance(sections.engine.embedded, embedded.EmbeddedOptions)
+        assert sections.engine.sglang.launch == (config.engine.kind == "sglang"
+                                                 and config.engine.sglang.launch), spec
+        keys = {k for k, v in config.items() if not isinstance(v, common.ConfigDict)}
+        assert keys == top, (spec, keys ^ top)
+
+
+def _door_violations(rel: str, source: str) -> list[str]:
+    """Imports of ml_collections, and parameters named `config` (the run config), in a
+    module outside configs/ and train.py."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        out += [f"{rel}:{node.lineno} imports {n}" for n in names
+                if n.split(".")[0] == "ml_collections"]
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            a = node.args
+            out += [f"{rel}:{node.lineno} {node.name}({p.arg})"
+                    for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]
+                    if p.arg in ("config", "run_config")]
+    return out
+
+
+def test_the_door_reader_sees_imports_and_run_config_parameters():
+    source = ("import ml_collections\nfrom ml_collections import config_dict\n"
+              "def f(config, cfg):\n    pass\nclass A:\n    async def g(self, *, config):\n"
+              "        pass\n")
+    found = _door_violations("m.py", source)
+    assert [int(v.split(":")[1].split()[0]) for v in found] == [1, 2, 3, 6], found
+
+
+def test_nothing_below_train_imports_ml_collections_or_takes_the_run_config():
+    bad = [v for rel, source in sorted(_product_sources().items()) if not rel.startswith(DOOR)
+           for v in _door_violations(rel, source)]
+    assert bad == []

@@ -208,7 +208,8 @@ def test_rollout_temperature_override_trains_at_it():
     ("rollout.temperature", 0.0), ("rollout.top_p", 2.0), ("learner.optim.lr", -1e-4),
     ("ps.remaining_ratio", 1.5), ("ckpt_every", 0), ("eval_every", 0), ("mesh.fsdp", 0),
     ("mesh.data", -3), ("rollout.top_k", 0), ("spo.rho_min", 1.2), ("learner.loss.dual_clip", 0.5),
-    ("learner.row_buckets", (512, 0)), ("sft.imperfect_share", 1.1), ("total_steps", 0)])
+    ("learner.row_buckets", (512, 0)), ("sft.imperfect_share", 1.1), ("total_steps", 0),
+    ("ps.max_age", 0)])
 def test_out_of_range_values_are_refused_naming_the_key(key, value, capsys):
     with pytest.raises(ValueError, match=rf"{key.replace('.', '[.]')}=.*allowed"):
         _dry_run("configs/default.py", capsys, f"{key}={value!r}")
@@ -217,11 +218,11 @@ def test_out_of_range_values_are_refused_naming_the_key(key, value, capsys):
 def test_cross_key_checks():
     config = common.load_config(os.path.join(ROOT, "configs/default.py"))
     with pytest.raises(ValueError, match="ps.low .* must be <= ps.high"):
-        common.check_values(common.apply_overrides(config.copy_and_resolve_references(),
-                                                    {"ps.low": 0.8}))
+        train.check_config(common.apply_overrides(config.copy_and_resolve_references(),
+                                                  {"ps.low": 0.8}))
     config = common.load_config(os.path.join(ROOT, "configs/grpo_swe.py"))
     with pytest.raises(ValueError, match="tokenizer.path .* model.hf_path"):
-        common.check_values(common.apply_overrides(config, {"model.hf_path": "/models/x"}))
+        train.check_config(common.apply_overrides(config, {"model.hf_path": "/models/x"}))
 
 
 def test_in_range_notation():

@@ -538,12 +538,13 @@ def test_sample_frequencies_follow_truncated_softmax(candidates):
         np.testing.assert_allclose(np.asarray(logp), full[np.asarray(tokens)], atol=1e-5)
 
 
-def test_server_builds_engine_from_training_config():
+def test_server_builds_engine_from_training_config(tmp_path):
     from configs.common import load_config
-    from inference.server import engine_from_config
+    from inference.server import engine_from_saved_config
 
     config = load_config("configs/default.py:smoke")
-    engine, model_path = engine_from_config(config)
+    (tmp_path / "config.json").write_text(config.to_json_best_effort(indent=1))
+    engine, model_path = engine_from_saved_config(str(tmp_path / "config.json"))
     with engine:
         assert model_path is None
         assert (engine.cfg.hidden_size, engine.cfg.num_layers) == (

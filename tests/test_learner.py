@@ -1,6 +1,7 @@
 """Train step: packing-invariant log-probs, masked tokens inert, accumulation and
 sharding exact, NaN detection."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,23 +10,20 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from configs import common
 from models.qwen3 import Qwen3, Qwen3Config
 from models.sharding import make_mesh
 from rl import learner
 from rl.batch import pack_arrays, unpack
+from tests.owners import learner_config
 
 TINY = Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                    num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
                    rms_norm_eps=1e-6, tie_word_embeddings=True, max_position_embeddings=256)
 
 
-def make_cfg(**loss):
-    cfg = common.learner_defaults()
-    cfg.optim.lr = 1e-2
-    cfg.temperature = 0.7
-    cfg.loss.update(loss)
-    return cfg
+def make_cfg(optim=None, values=None, **loss):
+    return learner_config(optim={"lr": 1e-2, **(optim or {})}, loss=loss, temperature=0.7,
+                          **(values or {}))
 
 
 def make_seqs(count=12, seed=0, max_len=40):
@@ -92,9 +90,8 @@ def _gradient(num_microbatches, mesh_shape=None):
     u = -g / (|g| + 1) elementwise, so g = -u / (1 - |u|) is recovered exactly
     enough to compare gradients through the public train step.
     """
-    cfg = make_cfg()
-    cfg.num_microbatches = num_microbatches
-    cfg.optim.update(lr=1.0, eps=1.0, weight_decay=0.0, max_grad_norm=0.0)
+    cfg = make_cfg(optim=dict(lr=1.0, eps=1.0, weight_decay=0.0, max_grad_norm=0.0),
+                   values=dict(num_microbatches=num_microbatches))
     mesh = None if mesh_shape is None else make_mesh(*mesh_shape)
     batch, _ = make_batch(rows_multiple=16)  # 4 micro-batches x 4 data shards
     graphdef, state = new_state(cfg, mesh)
@@ -128,9 +125,8 @@ def test_sharded_step_equals_single_device():
 
 
 def test_masked_tokens_have_no_influence():
-    cfg = make_cfg(agg="seq-mean-token-mean", dual_clip=3.0, kl="k3", kl_coef=0.1,
-                   old_logprobs="learner", tis_cap=2.0)
-    cfg.num_minibatches = 2
+    cfg = make_cfg(values=dict(num_minibatches=2), agg="seq-mean-token-mean", dual_clip=3.0,
+                   kl="k3", kl_coef=0.1, old_logprobs="learner", tis_cap=2.0)
     batch, _ = make_batch(rows_multiple=2, ref=True)
     off = batch.loss_mask == 0
     rng = np.random.default_rng(7)
@@ -167,8 +163,7 @@ def test_nan_loss_raises_with_step_number():
 
 
 def test_bad_batches_are_named():
-    cfg = make_cfg(kl="k2", kl_coef=0.1)
-    cfg.num_minibatches = 3
+    cfg = make_cfg(values=dict(num_minibatches=3), kl="k2", kl_coef=0.1)
     batch, _ = make_batch(rows_multiple=1)
     graphdef, state = new_state(cfg)
     train_step = learner.make_train_step(graphdef, cfg)
@@ -183,10 +178,9 @@ def test_row_multiple_takes_rows_multiple_and_sft_drops_it():
     """Rows are a multiple of mini x micro batches and of rows_multiple (their lcm), and
     the SFT copy of the section pads no rows."""
     from rl.sft import sft_config
-    cfg = make_cfg()
-    cfg.num_minibatches, cfg.rows_multiple = 3, 8
+    cfg = make_cfg(values=dict(num_minibatches=3, rows_multiple=8))
     assert learner.row_multiple(cfg) == 24
-    cfg.num_minibatches = 4
+    cfg = dataclasses.replace(cfg, num_minibatches=4)
     assert learner.row_multiple(cfg) == 8
     assert learner.row_multiple(sft_config(cfg)) == 4
     batch, _ = make_batch(rows_multiple=1)
@@ -197,8 +191,8 @@ def test_row_multiple_takes_rows_multiple_and_sft_drops_it():
 
 
 def test_schedule_warmup_then_cosine():
-    cfg = make_cfg()
-    cfg.optim.update(lr=1.0, warmup_steps=4, schedule="cosine", decay_steps=10, end_lr_frac=0.1)
+    cfg = make_cfg(optim=dict(lr=1.0, warmup_steps=4, schedule="cosine", decay_steps=10,
+                              end_lr_frac=0.1))
     schedule = learner.make_schedule(cfg.optim)
     np.testing.assert_allclose([schedule(i) for i in (0, 2, 4, 9, 14, 20)],
                                [0.0, 0.5, 1.0, 0.1 + 0.9 * 0.5, 0.1, 0.1], atol=1e-6)

@@ -179,10 +179,10 @@ def test_queue_state_round_trip_exact():
     q.push(tasks_at(6, 2))
     state = q.state_dict()
     json.dumps({k: v for k, v in state.items() if not isinstance(v, np.ndarray)})
-    q2 = PrefixQueue()
+    q2 = PrefixQueue(max_age=2)
     q2.load_state_dict(state)
     assert q2.tasks == q.tasks and q2.max_age == 3 and q2.expired_total == q.expired_total
-    empty = PrefixQueue()
+    empty = PrefixQueue(max_age=2)
     empty.load_state_dict(PrefixQueue(max_age=4).state_dict())
     assert empty.tasks == [] and empty.max_age == 4
 
@@ -193,8 +193,11 @@ def test_a_cap_of_0_is_uncapped():
     assert cfg.cap("too_hard") is None and cfg.cap("too_easy") == 3
     assert prefix_k(100, "too_hard", 0.25, cfg.cap("too_hard")) == 75      # 25 remaining
     assert prefix_k(100, "too_easy", 0.25, cfg.cap("too_easy")) == 3
-    with pytest.raises(ValueError, match="prefix_cap"):
-        ps_config(prefix_cap=-1)
+    # A negative cap is refused where every range is checked (configs.common.RANGES).
+    from configs import common, default
+
+    with pytest.raises(ValueError, match="ps.prefix_cap=-1"):
+        common.check_values(common.apply_overrides(default.get_config(), {"ps.prefix_cap": -1}))
 
 
 # ---------------------------------------------------------------- build + metrics
@@ -221,7 +224,7 @@ def test_build_prefix_tasks_and_metrics():
     assert by_id["easy"].k == 5 and by_id["easy"].source_uid == "easy-7"
     assert ps.pass_counts == {"too_hard": (2, 8), "too_easy": (0, 0)}
     assert ctrl.ema("too_hard") == pytest.approx(0.95 * 0.5 + 0.05 * 0.25)
-    m = prefix_metrics(ps, groups, ctrl, PrefixQueue())
+    m = prefix_metrics(ps, groups, ctrl, PrefixQueue(max_age=2))
     assert m["ps/solve_none"] == 1 and m["ps/solve_all"] == 1 and m["ps/solve_partial"] == 4
     assert m["ps/effective_tasks"] == 4
     assert m["ps/prefix_tasks/too_hard"] == 1 and m["ps/prefix_tasks/too_easy"] == 0
@@ -245,9 +248,9 @@ def test_revisit_queues_skewed_tasks_from_the_start():
         ("hard", "too_hard", 0, [], "", 3), ("easy", "too_easy", 0, [], "", 3)]
     assert ps.train == [False, False, True, True, True, True] and ps.no_source == 0
     assert ps.pass_counts["too_hard"] == (1, 8)       # the revisited group's rollouts
-    q = PrefixQueue()
+    q = PrefixQueue(max_age=2)
     q.push(ps.tasks + tasks_at(1, 1))
-    q2 = PrefixQueue()
+    q2 = PrefixQueue(max_age=2)
     q2.load_state_dict(q.state_dict())
     assert q2.tasks == q.tasks and q2.tasks[0] == revisit_task("hard", "too_hard", 3)
     assert q2.tasks[0].info == PrefixInfo("", 0, "too_hard") and q2.tasks[0].num_prefix_tokens == 0
@@ -370,10 +373,8 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     import asyncio
     import dataclasses
 
-    import ml_collections
     from flax import nnx
 
-    from configs import common
     from env import miniswe, sandbox
     from env.sandbox.pool import SandboxPool
     from inference.embedded import EmbeddedEngine
@@ -381,7 +382,7 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     from models.tokenizer import train_bpe
     from rl import algos, sft
     from rl.rollout import Agent
-    from tests.owners import engine_options, rollout_config
+    from tests.owners import algo_config, engine_options, env_config, rollout_config
 
     tasks = miniswe.generate_tasks(3, seed=11, difficulties=(1,))
     tokenizer = train_bpe(sft.tokenizer_corpus(tasks), 600)
@@ -391,17 +392,12 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     cfg = rollout_config(max_steps=4, max_turn_tokens=16, max_response_tokens=1000,
                          max_context=2048, test_timeout_s=30.0, env_retries=0, temperature=1.0)
     engine = EmbeddedEngine(model, engine_options(max_batch=8, max_len=2048), seed=0)
-    factory = sandbox.from_config(ml_collections.ConfigDict(
-        {"backend": "local", "image": "", "local_allow_unisolated": False,
-         "local_read_only": ()}))
+    factory = sandbox.from_config(env_config(backend="local", image="",
+                                             local_allow_unisolated=False, local_read_only=()))
     agent = Agent(engine, tokenizer, SandboxPool(factory, 4), cfg, tools_in_prompt=False)
 
     def algorithm(replay):
-        config = ml_collections.ConfigDict(dict(seed=0, batch_tasks=2, group_size=2,
-                                                advantage="grpo", reject_degenerate=True))
-        config.ps = common.prefix_defaults()
-        config.ps.replay = replay
-        config.rollout = common.staleness_defaults()
+        config = algo_config(batch_tasks=2, group_size=2, ps={"replay": replay})
         return algos.GRPOPrefix(algos.Context(config, agent, tasks, score=None))
 
     async def run():
@@ -433,5 +429,7 @@ def test_unrestorable_prefix_is_an_env_error_and_reexec_replays_it(caplog):
     (prefixed, _), _ = out["reexec"]
     assert all(not t.is_env_error and t.prefix is not None for t in prefixed)
     assert all(t.turns[0].replayed and t.turns[1].replayed for t in prefixed)
-    with pytest.raises(ValueError, match="replay"):
-        ps_config(replay="redo")
+    from configs import common, default  # (the choices' one home: configs.common.CHOICES)
+
+    with pytest.raises(ValueError, match="ps.replay='redo'"):
+        common.check_values(common.apply_overrides(default.get_config(), {"ps.replay": "redo"}))

@@ -8,12 +8,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from configs import common
 from models.qwen3 import Qwen3, Qwen3Config
 from rl import learner
 from rl.batch import pack_arrays
 from rl.loss import KL_KINDS
 from rl.reference import Reference
+from tests.owners import learner_config
 
 TINY = Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=1,
                    num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=10_000.0,
@@ -36,9 +36,8 @@ def test_reference_anchors_every_kl_mode(tmp_path):
     batch = _batch()
     compute_logprobs = None  # one jitted scorer for all modes (the loss does not enter it)
     for kl in [k for k in KL_KINDS if k != "none"]:
-        cfg = common.learner_defaults()
-        cfg.optim.lr, cfg.temperature = 1e-2, 0.7
-        cfg.loss.update(kl=kl, kl_coef=0.1)
+        cfg = learner_config(optim={"lr": 1e-2}, loss=dict(kl=kl, kl_coef=0.1),
+                             temperature=0.7)
         graphdef, state = learner.init_train_state(Qwen3(TINY, rngs=nnx.Rngs(0)), cfg)
         start = jax.device_get(state.params)
         compute_logprobs = compute_logprobs or learner.make_compute_logprobs(graphdef, cfg)

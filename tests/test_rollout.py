@@ -9,12 +9,10 @@ import dataclasses
 import hashlib
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from flax import nnx
 
-from configs.common import learner_defaults
 from env import episode as episode_lib
 from env import miniswe, sandbox
 from env.sandbox.pool import SandboxPool
@@ -26,7 +24,7 @@ from rl import prefix, sft
 from rl.learner import init_train_state, make_train_step
 from rl.metrics import rollout_metrics
 from rl.rollout import Agent, RolloutJob, StreamCollector, collect_groups
-from tests.owners import engine_options, rollout_config
+from tests.owners import engine_options, env_config, learner_config, rollout_config
 
 TASKS = miniswe.generate_tasks(6, seed=7, difficulties=(0, 1))
 
@@ -65,9 +63,8 @@ def model(tokenizer):
 
 @pytest.fixture(scope="module")
 def factory():
-    return sandbox.from_config(ml_collections.ConfigDict(
-        {"backend": "local", "image": "", "local_allow_unisolated": False,
-         "local_read_only": ()}))
+    return sandbox.from_config(env_config(backend="local", image="",
+                                             local_allow_unisolated=False, local_read_only=()))
 
 
 def make_agent(model, tokenizer, factory, **cfg):
@@ -222,7 +219,7 @@ def test_replayed_tokens_do_not_influence_the_update(model, tokenizer, factory):
     perturbed = dataclasses.replace(cont, turns=[
         dataclasses.replace(t, action_logprobs=list(np.full(len(t.action_ids), -3.0)))
         if t.replayed else t for t in cont.turns])
-    cfg = learner_defaults()
+    cfg = learner_config()
     graphdef, state0 = init_train_state(model, cfg)
     step = make_train_step(graphdef, cfg)
     outs = []

@@ -2,6 +2,7 @@
 started and stopped by SGLangLauncher; the in-process EmbeddedEngine is the reference."""
 
 import asyncio
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -211,25 +212,25 @@ def test_update_weights_failure_is_reported(servers):
 
 
 def test_from_config(servers):
-    from configs.common import sglang_defaults
+    from configs.common import engine_defaults, sglang_defaults
 
-    sglang = ml_collections.ConfigDict(sglang_defaults())
-    sglang.update(launch=True, ports=(30000, 30001), tp_size=2, max_retries=1, host_gpus=6)
-    config = ml_collections.ConfigDict(dict(seed=0, model=dict(hf_path="/w/qwen3"),
-                                            rollout=dict(max_context=32),
-                                            engine=dict(kind="sglang", sglang=sglang)))
-    commands = engines.launch_commands(config)
+    sglang = dict(sglang_defaults(), launch=True, ports=(30000, 30001), tp_size=2,
+                  max_retries=1, host_gpus=6)
+    section = ml_collections.ConfigDict(dict(engine_defaults(), kind="sglang", sglang=sglang))
+    served = engines.Served(hf_path="/w/qwen3", model_config=CFG, max_context=32, seed=0)
+    commands = engines.launch_commands(engines.EngineConfig.from_section(section), served)
     assert [c[c.index("--port") + 1] for c in commands] == ["30000", "30001"]
     assert all(c[c.index("--model-path") + 1] == "/w/qwen3" for c in commands)
     assert [c[0] for c in commands] == ["CUDA_VISIBLE_DEVICES=2,3", "CUDA_VISIBLE_DEVICES=4,5"]
-    config.engine.sglang.urls = tuple(s.url for s in servers)
-    client = engines.from_config(config, None, "/tmp", CFG)
-    assert [s.url for s in client.servers] == list(config.engine.sglang.urls)
+    section.sglang.urls = tuple(s.url for s in servers)
+    cfg = engines.EngineConfig.from_section(section)
+    client = engines.from_config(cfg, served, None, "/tmp")
+    assert [s.url for s in client.servers] == list(section.sglang.urls)
     assert client.max_retries == 1 and client.launchers == [] and client.seeded
     client.close()
-    config.rollout.max_context = 64  # the servers take 32 tokens
+    longer = dataclasses.replace(served, max_context=64)  # the servers take 32 tokens
     with pytest.raises(EngineError, match="at most 32 tokens"):
-        engines.from_config(config, None, "/tmp", CFG)
+        engines.from_config(cfg, longer, None, "/tmp")
 
 
 def test_sglang_protocol_pause_info_limits_and_range_checks(servers):

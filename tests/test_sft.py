@@ -1,15 +1,17 @@
 """SFT warm start: cross-entropy on assistant tokens only, through the learner step."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from configs import common
 from models.qwen3 import Qwen3, Qwen3Config
 from rl import learner, sft
 from rl.batch import unpack
 from rl.types import Trajectory, Turn
+from tests.owners import learner_config
 
 TINY = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
                    num_heads=2, num_kv_heads=1, head_dim=16, rope_theta=10_000.0,
@@ -27,8 +29,7 @@ def demo(i):
 
 
 def test_sft_is_cross_entropy_on_assistant_tokens_and_learns():
-    cfg = common.learner_defaults()
-    cfg.optim.lr = 3e-2
+    cfg = learner_config(optim={"lr": 3e-2})
     graphdef, state = learner.init_train_state(Qwen3(TINY, rngs=nnx.Rngs(0)), cfg)
     demos = [demo(i) for i in range(8)]
 
@@ -40,7 +41,7 @@ def test_sft_is_cross_entropy_on_assistant_tokens_and_learns():
     first_nll = -sum(float(lp.sum()) for lp in unpack(np.asarray(logp), info)) / 40
 
     seen = []
-    cfg.row_buckets = (32,)
+    cfg = sft.sft_config(dataclasses.replace(cfg, row_buckets=(32,)))
     batches = sft.demo_batches(demos, batch_size=4, epochs=6, seed=cfg.seed)
     state = sft.train_sft(state, graphdef, batches, cfg,
                           on_metrics=lambda step, m: seen.append((step, m)))

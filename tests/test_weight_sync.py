@@ -5,7 +5,6 @@ error behaviour), the launcher's placement, and the recipes' dry runs."""
 import asyncio
 import os
 
-import ml_collections
 import pytest
 from flax import nnx
 
@@ -156,24 +155,21 @@ def test_startup_checks_a_url_servers_own_context_limit(stub_kw, limit, source):
     """Servers given as URLs: launched without --context-length SGLang reports
     context_length null, and its limit (the model's, or a smaller KV pool) only through
     its scheduler; the engine refuses rollout.max_context above it either way."""
-    from configs.common import sglang_defaults
+    from configs.common import engine_defaults, sglang_defaults
 
-    def config(urls, max_context):
-        sg = ml_collections.ConfigDict(sglang_defaults())
-        sg.update(urls=tuple(urls), deterministic=True)
-        return ml_collections.ConfigDict(dict(seed=0, model=dict(hf_path=""),
-                                              rollout=dict(max_context=max_context),
-                                              engine=dict(kind="sglang", sglang=sg)))
+    def start(urls, max_context):
+        sg = dict(sglang_defaults(), urls=tuple(urls), deterministic=True)
+        cfg = engines.EngineConfig.from_section(dict(engine_defaults(), kind="sglang", sglang=sg))
+        served = engines.Served(hf_path="", model_config=None, max_context=max_context, seed=0)
+        return engines.from_config(cfg, served, None, "/tmp")
 
     async def body(stubs):
         url = stubs[0].url
-        client = await asyncio.to_thread(engines.from_config, config([url], limit), None, "/tmp",
-                                         None)
+        client = await asyncio.to_thread(start, [url], limit)
         await client.aclose()
         with pytest.raises(EngineError, match=rf"{url} takes at most {limit} tokens "
                                               rf"\({source}.*rollout.max_context is {limit + 1}"):
-            await asyncio.to_thread(engines.from_config, config([url], limit + 1), None, "/tmp",
-                                    None)
+            await asyncio.to_thread(start, [url], limit + 1)
 
     run(with_stubs(1, body, **stub_kw))
 
@@ -272,16 +268,29 @@ def test_unseeded_client_sends_no_seed():
 # ----------------------------------------------------------------------------- placement
 
 
+def _engine(config):
+    """The engine section's owner, as train.py builds it."""
+    from train import owners
+
+    return owners(config).engine
+
+
+def _launch_commands(config):
+    from train import served
+
+    return engines.launch_commands(_engine(config), served(config, None))
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_placement_shares_no_gpu(recipe):
     config = load_config(recipe)
-    place = engines.placement(config)
+    place = engines.placement(_engine(config))
     server_gpus = [g for s in place["servers"] for g in s["gpus"]]
     assert place["servers"] and place["learner_gpus"]
     assert len(set(server_gpus)) == len(server_gpus)
     assert not set(server_gpus) & set(place["learner_gpus"])
     assert sorted(server_gpus + place["learner_gpus"]) == list(range(place["host_gpus"]))
-    for line, server in zip(engines.launch_commands(config), place["servers"], strict=True):
+    for line, server in zip(_launch_commands(config), place["servers"], strict=True):
         assert line[0] == "CUDA_VISIBLE_DEVICES=" + ",".join(map(str, server["gpus"]))
         assert "--context-length" in line and line[line.index("--context-length") + 1] == \
             str(config.rollout.max_context)
@@ -295,7 +304,7 @@ def test_launcher_python_env_and_flags_from_config():
                              "engine.sglang.extra_args": ("--dtype", "bfloat16", "--x"),
                              "engine.sglang.deterministic": False,
                              "engine.sglang.context_length": 32768})
-    (line, _) = engines.launch_commands(config)
+    (line, _) = _launch_commands(config)
     assert line[:4] == ["A=b=c", "CUDA_VISIBLE_DEVICES=4,5", "HF_HOME=/x", "PYTHONSAFEPATH=1"]
     assert line[4:7] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
     assert line[-3:] == ["--dtype", "bfloat16", "--x"]
@@ -303,9 +312,9 @@ def test_launcher_python_env_and_flags_from_config():
     assert line[line.index("--context-length") + 1] == "32768"
     apply_overrides(config, {"engine.sglang.ports": tuple(range(30000, 30004))})
     with pytest.raises(ValueError, match="8 GPUs leave none of host_gpus=8"):
-        engines.placement(config)
+        engines.placement(_engine(config))
     apply_overrides(config, {"engine.sglang.urls": ("http://10.0.0.1:30000",)})
-    assert engines.placement(config)["learner_gpus"] == list(range(8))
+    assert engines.placement(_engine(config))["learner_gpus"] == list(range(8))
 
 
 def test_learner_devices_restricted_to_the_rest():
@@ -314,7 +323,7 @@ def test_learner_devices_restricted_to_the_rest():
     config = load_config("configs/spo_qwen3_8b.py")
     before = jax.config.values["jax_cuda_visible_devices"]
     try:
-        assert engines.restrict_learner_devices(config) == [0, 1, 2, 3]
+        assert engines.restrict_learner_devices(_engine(config)) == [0, 1, 2, 3]
         assert jax.config.values["jax_cuda_visible_devices"] == "0,1,2,3"
     finally:
         jax.config.update("jax_cuda_visible_devices", before)

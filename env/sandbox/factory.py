@@ -13,6 +13,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from env.config import EnvConfig
 from env.sandbox.base import Sandbox
 from env.sandbox.docker import DockerSandbox, docker_host, remove_containers
 from env.sandbox.fleet import DockerFleet
@@ -116,7 +117,7 @@ class FleetFactory(SandboxFactory):
         self.fleet.close()
 
 
-def from_config(env_cfg) -> SandboxFactory:
+def from_config(env_cfg: EnvConfig) -> SandboxFactory:
     """The `env` section's sandboxes: `env.backend`; for Docker, a fleet over
     `env.docker_hosts` (removing exited runs' containers on each), tasks without an
     image of their own running in `env.image`; for local, the sandbox directories of

@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 
 from env.tasks import Task
-from rl.rollout import Agent
+from rl.prefix import PrefixConfig
+from rl.rollout import Agent, RolloutConfig
+from rl.tracker import SPOConfig
 from rl.types import Trajectory
 
 Progress = Callable[[int], None] | None
@@ -37,12 +39,29 @@ Progress = Callable[[int], None] | None
 Score = Callable[[Any, Sequence[tuple[np.ndarray, np.ndarray]]], list[np.ndarray]]
 
 
+@dataclasses.dataclass(frozen=True)
+class AlgoConfig:
+    """What an algorithm reads of the run config: the top-level keys `algo` (as `name`),
+    `advantage`, `reject_degenerate`, `batch_tasks`, `group_size` and `seed`, and the
+    owners of the `ps`, `spo` and `rollout` sections."""
+
+    name: str
+    advantage: str
+    reject_degenerate: bool
+    batch_tasks: int
+    group_size: int
+    seed: int
+    ps: PrefixConfig
+    spo: SPOConfig
+    rollout: RolloutConfig
+
+
 @dataclasses.dataclass
 class Context:
-    """What an algorithm is built from: the run's config, the rollout agent, the training
-    tasks and a log-prob scorer for the policy's parameters."""
+    """What an algorithm is built from: its config, the rollout agent, the training tasks
+    and a log-prob scorer for the policy's parameters."""
 
-    config: Any
+    cfg: AlgoConfig
     agent: Agent
     train_tasks: Sequence[Task]
     score: Score
@@ -61,10 +80,10 @@ class Algorithm(abc.ABC):
     started: bool = True
 
     @classmethod
-    def check_config(cls, config) -> None:
-        """Raises ValueError naming the keys when `config` does not suit the algorithm
+    def check_config(cls, cfg: AlgoConfig) -> None:
+        """Raises ValueError naming the keys when `cfg` does not suit the algorithm
         (before anything is built: train.py and the dry run call it)."""
-        del config
+        del cfg
 
     async def start(self, progress: Progress = None) -> dict[str, float]:
         """Work before the first RL step (runs while `started` is False); metrics."""

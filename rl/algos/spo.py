@@ -26,13 +26,11 @@ from typing import Any
 import numpy as np
 
 from rl import seeds
-from rl.algos.base import Algorithm, Context, Progress
+from rl.algos.base import AlgoConfig, Algorithm, Context, Progress
 from rl.rollout import RolloutJob, StreamCollector
 from rl.tracker import (
-    DRIFT_TOKENS,
     BetaTracker,
     PrioritizedSampler,
-    SPOConfig,
     drift_mask,
     load_offline_values,
     spo_advantages,
@@ -48,33 +46,24 @@ class SPO(Algorithm):
     stream = True
 
     @classmethod
-    def check_config(cls, config) -> None:
-        if config.ps.enabled:
+    def check_config(cls, cfg: AlgoConfig) -> None:
+        if cfg.ps.enabled:
             raise ValueError("ps.enabled needs algo='grpo' (Prefix Sampling classifies groups)")
-        if config.spo.in_flight < config.batch_tasks:
-            raise ValueError(f"spo.in_flight ({config.spo.in_flight}) must be >= batch_tasks "
-                             f"({config.batch_tasks})")
+        if cfg.spo.in_flight < cfg.batch_tasks:
+            raise ValueError(f"spo.in_flight ({cfg.spo.in_flight}) must be >= batch_tasks "
+                             f"({cfg.batch_tasks})")
 
     def __init__(self, ctx: Context):
-        c = ctx.config
-        self.cfg, self.agent, self.score = SPOConfig(**c.spo), ctx.agent, ctx.score
-        if self.cfg.init_samples and self.cfg.init_values:
-            raise ValueError("set one of spo.init_samples and spo.init_values, not both")
-        if self.cfg.drift_tokens not in DRIFT_TOKENS:
-            raise ValueError(f"spo.drift_tokens must be one of {DRIFT_TOKENS}, "
-                             f"got {self.cfg.drift_tokens!r}")
-        if self.cfg.unseen not in ("draw", "skip"):
-            raise ValueError(f"spo.unseen must be 'draw' or 'skip', got {self.cfg.unseen!r}")
-        self.batch_tasks = self.rollouts_per_step = c.batch_tasks
+        self.run_cfg, self.agent, self.score = ctx.cfg, ctx.agent, ctx.score
+        self.cfg = ctx.cfg.spo
+        self.rollouts_per_step = ctx.cfg.batch_tasks
         self.tracker = BetaTracker(self.cfg)
-        self.sampler = PrioritizedSampler(self.tracker, seed=c.seed, eps=self.cfg.sampler_eps)
-        self.rng = seeds.host_rng(c.seed)
+        self.sampler = PrioritizedSampler(self.tracker, seed=ctx.cfg.seed, eps=self.cfg.sampler_eps)
+        self.rng = seeds.host_rng(ctx.cfg.seed)
         self.task_by_id = {t.instance_id: t for t in ctx.train_tasks}
         ids = list(self.task_by_id)
         self.pool_ids = ids[:self.cfg.pool_size] if self.cfg.pool_size else ids
         self.started = not (self.cfg.init_samples or self.cfg.init_values)
-        # rollout.max_staleness 0: the stream as it always ran, its rollouts' ages unbounded.
-        self.max_staleness, self.stale = c.rollout.max_staleness, c.rollout.stale
         self._queued: list[str] = []
         self._collector: StreamCollector | None = None
         self._pending: tuple[list[str], np.ndarray, list[tuple[np.ndarray, np.ndarray]]] | None
@@ -141,7 +130,7 @@ class SPO(Algorithm):
         re-read from the tracker at every chunk."""
         if not self._queued:
             pool = self._pool()
-            self._queued.extend(self.sampler.sample(pool, min(self.batch_tasks, len(pool))))
+            self._queued.extend(self.sampler.sample(pool, min(self.run_cfg.batch_tasks, len(pool))))
         return RolloutJob(self.task_by_id[self._queued.pop(0)],
                           seed=int(self.rng.integers(1 << 30)))
 
@@ -149,8 +138,10 @@ class SPO(Algorithm):
         if self._collector is None:
             self._collector = StreamCollector(
                 self.agent, self._next_job, self.cfg.in_flight,
-                max_staleness=self.max_staleness or None, stale=self.stale)
-        return await self._collector.collect(self.batch_tasks, progress,
+                # rollout.max_staleness 0: the stream as it always ran, ages unbounded.
+                max_staleness=self.run_cfg.rollout.max_staleness or None,
+                stale=self.run_cfg.rollout.stale)
+        return await self._collector.collect(self.run_cfg.batch_tasks, progress,
                                              version=self.agent.policy_version)
 
     # ------------------------------------------------------------ the tracker
@@ -171,7 +162,7 @@ class SPO(Algorithm):
         if rewards.var() > 0:  # the share of the reward's variance the baseline leaves
             metrics["spo/residual_var_ratio"] = float((rewards - v_before).var()
                                                       / rewards.var())
-        if self.max_staleness and self._collector is not None:
+        if self.run_cfg.rollout.max_staleness and self._collector is not None:
             metrics.update(self._collector.stats())
         return scored, adv, metrics
 
