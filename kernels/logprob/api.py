@@ -35,8 +35,8 @@ def token_logprobs(
 
     Args:
       hidden: [N, d] final hidden states (float32 or bfloat16), or [R, N, d]: R batch rows,
-        each compacted on its own (vmapped) when there are several devices, so rows split
-        over devices stay split; on one device, as one [R N, d] call.
+        each compacted on its own (vmapped) under a mesh (jax.set_mesh), so rows split
+        over devices stay split; without one, as one [R N, d] call.
       lm_head: [d, V] output projection.
       targets: [N] (or [R, N]) int token ids in [0, V).
       mask: [N] (or [R, N]); positions where mask == 0 return 0, get zero gradient and
@@ -65,9 +65,9 @@ def token_logprobs(
         if not targets.shape == mask.shape == hidden.shape[:2]:
             raise ValueError(f"targets and mask must be [R, N]={hidden.shape[:2]}, got "
                              f"{targets.shape} and {mask.shape}")
-        if jax.device_count() > 1:
+        if not jax.sharding.get_abstract_mesh().empty:
             return jax.vmap(one_call)(hidden, targets, mask)
-        # One device: the rows as one [R N, d] call, compacted together. Per-row calls
+        # No mesh: the rows as one [R N, d] call, compacted together. Per-row calls
         # would cut the matmuls R-fold, give each row its own [d, V] gradient to sum, and
         # turn the loops' dynamic trip counts into selects over every carry.
         flat = lambda x: x.reshape(-1, *x.shape[2:])
