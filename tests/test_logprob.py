@@ -1,5 +1,6 @@
 """Chunked XLA and Pallas (interpret) token log-probs against the naive [N, V] reference."""
 
+import functools
 import logging
 
 import jax
@@ -155,6 +156,58 @@ def test_entropy_gradient_alone_matches_reference():
         expected = grad("reference")(hidden, lm_head)
         for actual, ref in zip(grads, expected, strict=True):
             _assert_close(actual, ref, jnp.float32)
+
+
+def test_kept_and_recomputed_logits_agree():
+    """The XLA engine keeps the logits for the backward when they fit `keep_bytes`, and
+    recomputes them otherwise: both match the reference, and each other exactly."""
+    from kernels.logprob.chunked import token_logprobs_chunked
+    from kernels.logprob.xla import XlaEngine
+
+    hidden, lm_head, targets, mask, cotangents = _inputs(jnp.float32, 0.5, seed=4)
+    results = []
+    for keep_bytes in (1 << 30, 0):
+        engine = XlaEngine(**BLOCKS["xla"], keep_bytes=keep_bytes)
+        assert engine.keeps_logits(40, V) == (keep_bytes > 0)
+        f = lambda h, w, e=engine: token_logprobs_chunked(h, w, targets, mask, 0.7, e)
+        outputs, vjp = jax.vjp(f, hidden, lm_head)
+        results.append((*outputs, *vjp(tuple(cotangents))))
+    ref_outputs, ref_grads = _value_and_grads("reference", hidden, lm_head, targets, mask,
+                                              cotangents, 0.7)
+    for kept, recomputed, expected in zip(*results, (*ref_outputs, *ref_grads), strict=True):
+        _assert_close(kept, expected, jnp.float32)
+        np.testing.assert_allclose(kept, recomputed, rtol=1e-6, atol=1e-6)
+
+
+def test_batch_rows_match_the_reference_row_by_row():
+    """[R, N, d] input, flattened into one call without a mesh and vmapped per row under
+    one, against the reference per row."""
+    rows = 3
+    keys = jax.random.split(jax.random.PRNGKey(5), 4)
+    hidden = jax.random.normal(keys[0], (rows, N, D))
+    lm_head = jax.random.normal(keys[1], (D, V)) * 0.5
+    targets = jax.random.randint(keys[2], (rows, N), 0, V)
+    mask = jax.random.bernoulli(keys[3], 0.6, (rows, N)).at[1].set(False)
+
+    def loss(implementation, h, w):
+        if implementation == "reference":
+            outputs = [token_logprobs(h[r], w, targets[r], mask[r], implementation=implementation)
+                       for r in range(rows)]
+            logp, entropy = (jnp.stack(x) for x in zip(*outputs, strict=True))
+        else:
+            logp, entropy = token_logprobs(h, w, targets, mask, implementation=implementation,
+                                           **BLOCKS["xla"])
+        return jnp.sum(logp * 1.3 + entropy * 0.4), (logp, entropy)
+
+    grads = lambda name: jax.value_and_grad(functools.partial(loss, name), (0, 1),
+                                            has_aux=True)(hidden, lm_head)
+    expected = grads("reference")
+    with jax.set_mesh(jax.make_mesh((1,), ("rows",))):
+        per_row = grads("xla")
+    for actual in (grads("xla"), per_row):
+        for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+            assert a.shape == e.shape
+            _assert_close(a, e, jnp.float32)
 
 
 def test_default_implementation_and_block_sizes():

@@ -35,7 +35,8 @@ def token_logprobs(
 
     Args:
       hidden: [N, d] final hidden states (float32 or bfloat16), or [R, N, d]: R batch rows,
-        each compacted on its own (vmapped), so rows split over devices stay split.
+        each compacted on its own (vmapped) under a mesh (jax.set_mesh), so rows split
+        over devices stay split; without one, as one [R N, d] call.
       lm_head: [d, V] output projection.
       targets: [N] (or [R, N]) int token ids in [0, V).
       mask: [N] (or [R, N]); positions where mask == 0 return 0, get zero gradient and
@@ -57,14 +58,21 @@ def token_logprobs(
       (float32 accumulation whatever the input dtype).
     """
     if hidden.ndim == 3:
-        one_row = lambda h, t, m: token_logprobs(
+        one_call = lambda h, t, m: token_logprobs(
             h, lm_head, t, m, temperature=temperature, implementation=implementation,
             row_block=row_block, vocab_block=vocab_block, d_block=d_block,
             interpret=interpret)
         if not targets.shape == mask.shape == hidden.shape[:2]:
             raise ValueError(f"targets and mask must be [R, N]={hidden.shape[:2]}, got "
                              f"{targets.shape} and {mask.shape}")
-        return jax.vmap(one_row)(hidden, targets, mask)
+        if not jax.sharding.get_abstract_mesh().empty:
+            return jax.vmap(one_call)(hidden, targets, mask)
+        # No mesh: the rows as one [R N, d] call, compacted together. Per-row calls
+        # would cut the matmuls R-fold, give each row its own [d, V] gradient to sum, and
+        # turn the loops' dynamic trip counts into selects over every carry.
+        flat = lambda x: x.reshape(-1, *x.shape[2:])
+        logp, entropy = one_call(flat(hidden), flat(targets), flat(mask))
+        return logp.reshape(targets.shape), entropy.reshape(targets.shape)
     _check_inputs(hidden, lm_head, targets, mask, temperature)
     temperature = float(temperature)
     on_cpu = jax.default_backend() == "cpu"

@@ -2,8 +2,9 @@
 
 An engine (XlaEngine, PallasEngine) supplies two blocked passes over the vocabulary:
 
-  stats(h_c, w, rows, row_block, inv_t) -> (lse[N_pad], entropy[N_pad])
-  grads(h_c, w, rows, row_block, inv_t, t_c, lse, entropy, g_logp, g_ent) -> (dh_c f32, dw)
+  stats(h_c, w, rows, row_block, inv_t) -> (lse[N_pad], entropy[N_pad], kept)
+  grads(h_c, w, rows, row_block, inv_t, t_c, lse, entropy, g_logp, g_ent, kept)
+    -> (dh_c f32, dw)
 
 with z = h @ w * inv_t, p = softmax(z), lse = log sum_v exp(z_v), entropy = lse - E_p[z].
 The gradient with respect to the logits, given cotangents g_logp and g_ent, is
@@ -11,7 +12,8 @@ The gradient with respect to the logits, given cotangents g_logp and g_ent, is
   dL/dz_v = g_logp * (1[v = t] - p_v) + g_ent * p_v * (E_p[z] - z_v),
 
 and the backward pass recomputes z block by block from the saved lse and entropy, so
-no [N, V] array is ever stored.
+no [N, V] array is stored, unless the engine's stats kept z (`kept`, None otherwise): then
+the backward reads it instead of recomputing it.
 """
 
 import functools
@@ -42,20 +44,20 @@ def _forward(hidden, lm_head, targets, mask, temperature, engine):
     rows = compact_rows(mask, row_block)
     h_c = rows.gather(hidden)
     t_c = rows.gather(targets.astype(jnp.int32))
-    lse, entropy = engine.stats(h_c, lm_head, rows, row_block, inv_t)
+    lse, entropy, kept = engine.stats(h_c, lm_head, rows, row_block, inv_t)
     logp = target_logits(h_c, lm_head, t_c, inv_t) - lse
     outputs = (rows.scatter(logp, num_rows), rows.scatter(entropy, num_rows))
-    return outputs, (hidden, lm_head, rows, t_c, lse, entropy)
+    return outputs, (hidden, lm_head, rows, t_c, lse, entropy, kept)
 
 
 def _backward(temperature, engine, residuals, cotangents):
-    hidden, lm_head, rows, t_c, lse, entropy = residuals
+    hidden, lm_head, rows, t_c, lse, entropy, kept = residuals
     g_logp, g_ent = (rows.gather(g.astype(jnp.float32)) for g in cotangents)
     row_block = engine.rows_per_block(hidden.shape[0])
     h_c = rows.gather(hidden)
     dh_c, dw = engine.grads(
-        h_c, lm_head, rows, row_block, 1.0 / temperature, t_c, lse, entropy, g_logp, g_ent
-    )
+        h_c, lm_head, rows, row_block, 1.0 / temperature, t_c, lse, entropy, g_logp, g_ent,
+        kept)
     dh = rows.scatter(dh_c, hidden.shape[0]).astype(hidden.dtype)
     return dh, dw, None, None
 

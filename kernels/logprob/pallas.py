@@ -228,7 +228,8 @@ class PallasEngine:
                              self.d_block, budget)
 
     def stats(self, h_c, w, rows: RowCompaction, row_block: int, inv_t: float):
-        """(lse, entropy) [N_pad] float32 for compacted hidden states h_c[N_pad, d]."""
+        """(lse, entropy, None): [N_pad] float32 for compacted hidden states h_c[N_pad, d];
+        the logits are not kept (the backward recomputes them in its tiles)."""
         (d, vocab_size), num_pad = w.shape, h_c.shape[0]
         mm_dtype = jnp.promote_types(h_c.dtype, w.dtype)
         vocab_block, d_block = self.blocks(row_block, d, vocab_size, mm_dtype)
@@ -258,11 +259,11 @@ class PallasEngine:
         a_all = ((a + s * (m - m_all)) * scale).sum(axis=0)
         lse, entropy = m_all + jnp.log(s_all), jnp.log(s_all) - a_all / s_all
         visited = jnp.arange(num_pad) < rows.num_blocks * row_block
-        return jnp.where(visited, lse, 0.0), jnp.where(visited, entropy, 0.0)
+        return jnp.where(visited, lse, 0.0), jnp.where(visited, entropy, 0.0), None
 
     def grads(self, h_c, w, rows: RowCompaction, row_block, inv_t, t_c, lse, entropy,
-              g_logp, g_ent):
-        """(dh_c[N_pad, d] float32, dw[d, V] in w's dtype)."""
+              g_logp, g_ent, kept=None):
+        """(dh_c[N_pad, d] float32, dw[d, V] in w's dtype); kept is always None here."""
         (d, vocab_size), num_pad = w.shape, h_c.shape[0]
         mm_dtype = jnp.promote_types(h_c.dtype, w.dtype)
         vocab_block, d_block = self.blocks(row_block, d, vocab_size, mm_dtype)

@@ -1,0 +1,260 @@
+"""The project beside google-tunix 0.1.7 (the JAX peer) on this machine, one process each.
+
+  python -m bench.vs_tunix [--venv /work/venv_tunix] [--repeats 3] [--only logprob,...]
+
+tunix is not in the lock: the first run makes `--venv` from requirements.lock and adds
+TUNIX and the modules its `tunix.rl.common` imports that its wheel does not declare
+(TUNIX_EXTRAS), without their dependencies. Both sides run in that venv.
+
+Protocol: each measurement runs in a process of its own (`--one NAME --side SIDE`, which
+compiles, warms up and prints the best of `--calls` timed calls), the two sides
+alternating project, tunix, project, tunix, ...; a side's figure is the median over its
+`--repeats` processes. ratio = tunix seconds / project seconds (> 1: the project is
+faster). Both sides share the shapes of one small Qwen3 (V 32768, d 256, 2 layers, GQA
+4/2, head_dim 64, MLP 768, untied head, float32), each initialised randomly in its own
+layout: timings do not depend on the weights' values.
+
+  logprob, logprob_masked   forward + backward of sum(g * logp) at N=4096 d=512 V=32768,
+                            (masked: half the rows off the loss mask): the project's
+                            kernels.logprob against tunix's selective_log_softmax over
+                            the logits h @ w
+  train_t512, train_t2048   one optimizer step on B=4 rows of T tokens (loss on the last
+                            three quarters): rl.learner's train_step (PPO loss, AdamW,
+                            clipping) against tunix's Qwen3, selective_log_softmax and its
+                            GRPO per-token loss (beta 0, one iteration) under the same
+                            optax chain, jitted as one step
+Prints one JSON object: each measurement's ratio, the seconds of every process, and the
+1-minute load average when the run started and before each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TUNIX = "google-tunix==0.1.7"
+TUNIX_EXTRAS = ("google-metrax", "clu", "wrapt", "tensorboardX", "jaxtyping", "wadler_lindig",
+                "sentencepiece", "perfetto", "pandas", "python-dateutil", "pytz", "tzdata")
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = dict(vocab=32768, d=256, layers=2, heads=4, kv_heads=2, head_dim=64, mlp=768)
+LOGPROB_SHAPE = dict(n=4096, d=512, v=32768)
+BATCH_ROWS = 4
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def ensure_tunix(venv: Path) -> Path:
+    """The venv's python, with the lock, tunix and its undeclared imports installed."""
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import tunix.rl.common, tunix.models.qwen3.model"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    _log(f"installing {TUNIX} into {venv}")
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "-r", str(ROOT / "requirements.lock")], check=True)
+    subprocess.run([*pip, "--no-deps", TUNIX, *TUNIX_EXTRAS], check=True)
+    subprocess.run(probe, check=True)
+    return python
+
+
+# --------------------------------------------------------------------------- one side
+
+
+def _best_seconds(fn, args, calls: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def logprob_seconds(side: str, masked: bool, calls: int) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    n, d, v = LOGPROB_SHAPE.values()
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    hidden = jax.random.normal(keys[0], (n, d))
+    lm_head = jax.random.normal(keys[1], (d, v)) * d**-0.5
+    targets = jax.random.randint(keys[2], (n,), 0, v)
+    g = jax.random.normal(keys[3], (n,))
+    mask = (jnp.arange(n) % 2 == 0) if masked else jnp.ones((n,), bool)
+    if side == "project":
+        from kernels.logprob.api import token_logprobs
+
+        logp = lambda h, w: token_logprobs(h, w, targets, mask)[0]
+    else:
+        from tunix.rl.common import selective_log_softmax
+
+        logp = lambda h, w: selective_log_softmax(h @ w, targets) * mask
+    grad = jax.jit(jax.grad(lambda h, w: jnp.sum(g * logp(h, w)), (0, 1)))
+    return _best_seconds(grad, (hidden, lm_head), calls)
+
+
+def _train_batch(row_len: int):
+    """(tokens [B,T], loss_mask [B,T], advantages [B]) of B full rows, loss on the last
+    three quarters."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, MODEL["vocab"], (BATCH_ROWS, row_len)).astype(np.int32)
+    mask = np.zeros((BATCH_ROWS, row_len), np.int32)
+    mask[:, row_len // 4:] = 1
+    return tokens, mask, rng.normal(size=BATCH_ROWS).astype(np.float32)
+
+
+def _project_train_step(row_len: int):
+    import numpy as np
+    from flax import nnx
+
+    from configs import common
+    from models.qwen3 import Qwen3, Qwen3Config
+    from rl import learner
+    from rl.batch import pack_arrays
+
+    m = MODEL
+    cfg = Qwen3Config(vocab_size=m["vocab"], hidden_size=m["d"], intermediate_size=m["mlp"],
+                      num_layers=m["layers"], num_heads=m["heads"],
+                      num_kv_heads=m["kv_heads"], head_dim=m["head_dim"],
+                      rope_theta=10_000.0, max_position_embeddings=max(4096, row_len),
+                      tie_word_embeddings=False)
+    lcfg = common.learner_defaults()
+    graphdef, state = learner.init_train_state(Qwen3(cfg, rngs=nnx.Rngs(0)), lcfg)
+    step = learner.make_train_step(graphdef, lcfg)
+    tokens, mask, adv = _train_batch(row_len)
+    seqs = [(t, mk, np.where(mk == 1, -1.0, 0.0).astype(np.float32))
+            for t, mk in zip(tokens, mask, strict=True)]
+    batch, _ = pack_arrays(seqs, adv, buckets=[row_len], row_multiple=BATCH_ROWS)
+    holder = {"state": state}
+
+    def run(batch):
+        holder["state"], metrics = step(holder["state"], batch)
+        return metrics
+
+    return run, (batch,)
+
+
+def _tunix_train_step(row_len: int):
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+    from tunix.models.qwen3 import model as qwen3
+    from tunix.rl.common import selective_log_softmax
+
+    from configs import common
+    from rl.learner import make_optimizer
+
+    m = MODEL
+    cfg = qwen3.ModelConfig(num_layers=m["layers"], vocab_size=m["vocab"], embed_dim=m["d"],
+                            hidden_dim=m["mlp"], num_heads=m["heads"], head_dim=m["head_dim"],
+                            num_kv_heads=m["kv_heads"], rope_theta=10_000, norm_eps=1e-6)
+    graphdef, params = nnx.split(qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
+    optimizer = make_optimizer(common.learner_defaults())  # the same optax chain
+    opt_state = optimizer.init(params)
+    tokens, mask, adv = _train_batch(row_len)
+    positions = jnp.broadcast_to(jnp.arange(row_len), tokens.shape)
+    causal = jnp.tril(jnp.ones((row_len, row_len), bool))[None].repeat(BATCH_ROWS, 0)
+
+    def loss_fn(params, tokens, mask, adv):
+        logits, _ = nnx.merge(graphdef, params)(tokens, positions, None, causal)
+        logp = selective_log_softmax(logits[:, :-1], tokens[:, 1:])
+        # tunix.rl.grpo's per-token loss with beta 0 and one iteration (old = current).
+        ratio = jnp.exp(logp - jax.lax.stop_gradient(logp))
+        per_token = -jnp.minimum(ratio * adv[:, None],
+                                 jnp.clip(ratio, 0.8, 1.28) * adv[:, None])
+        loss_mask = mask[:, 1:]
+        return jnp.sum(per_token * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1)
+
+    @jax.jit
+    def update(params, opt_state, tokens, mask, adv):
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, mask, adv)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    holder = {"params": params, "opt_state": opt_state}
+
+    def run(tokens, mask, adv):
+        holder["params"], holder["opt_state"], loss = update(
+            holder["params"], holder["opt_state"], tokens, mask, adv)
+        return loss
+
+    return run, (jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(adv))
+
+
+def train_seconds(side: str, row_len: int, calls: int) -> float:
+    make = _project_train_step if side == "project" else _tunix_train_step
+    run, args = make(row_len)
+    return _best_seconds(run, args, calls)
+
+
+MEASUREMENTS = {
+    "logprob": lambda side, calls: logprob_seconds(side, False, calls),
+    "logprob_masked": lambda side, calls: logprob_seconds(side, True, calls),
+    "train_t512": lambda side, calls: train_seconds(side, 512, calls),
+    "train_t2048": lambda side, calls: train_seconds(side, 2048, calls),
+}
+
+
+# --------------------------------------------------------------------------- protocol
+
+
+def _one_process(python: Path, name: str, side: str, calls: int) -> float:
+    out = subprocess.run([str(python), "-m", "bench.vs_tunix", "--one", name, "--side", side,
+                          "--calls", str(calls)], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{name} ({side}) failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.splitlines()[-1])["seconds"]
+
+
+def compare(python: Path, names, repeats: int, calls: int) -> dict:
+    result = {"tunix": TUNIX, "load_average_at_start": os.getloadavg()[0],
+              "model": MODEL, "logprob_shape": LOGPROB_SHAPE, "rows": BATCH_ROWS}
+    for name in names:
+        seconds = {"project": [], "tunix": []}
+        load = os.getloadavg()[0]
+        for _ in range(repeats):
+            for side in ("project", "tunix"):
+                seconds[side].append(_one_process(python, name, side, calls))
+                _log(f"{name} {side}: {seconds[side][-1]:.3f} s (load {os.getloadavg()[0]:.2f})")
+        medians = {side: statistics.median(s) for side, s in seconds.items()}
+        result[name] = {"ratio": medians["tunix"] / medians["project"], "seconds": seconds,
+                        "load_average": load}
+    return result
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--venv", type=Path, default=Path("/work/venv_tunix"))
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=3, help="timed calls per process")
+    parser.add_argument("--only", default=",".join(MEASUREMENTS))
+    parser.add_argument("--one", choices=sorted(MEASUREMENTS), help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=("project", "tunix"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps({"seconds": MEASUREMENTS[args.one](args.side, args.calls)}))
+        return
+    names = args.only.split(",")
+    unknown = sorted(set(names) - set(MEASUREMENTS))
+    if unknown:
+        raise SystemExit(f"--only: unknown measurements {unknown}; known: {sorted(MEASUREMENTS)}")
+    print(json.dumps(compare(ensure_tunix(args.venv), names, args.repeats, args.calls)))
+
+
+if __name__ == "__main__":
+    main()
