@@ -342,11 +342,20 @@ class Run:
             writer.write_scalars(first_step, start_metrics)
             log.info("offline start: %s", json.dumps(start_metrics))
         last_save = time.perf_counter()  # for config.ckpt_every_s
+        env_error_steps = 0  # steps in a row whose rollouts were all env errors
         for step in range(first_step + 1, config.total_steps + 1):
             state, groups, lags, metrics = await self.step(step, state)
             if step % config.eval_every == 0 or step == config.total_steps:
                 metrics.update(await self.evaluate(step))
             self.report(step, groups, lags, metrics)
+            trajs = [t for g in groups for t in g]
+            env_error_steps = env_error_steps + 1 if all(t.is_env_error for t in trajs) else 0
+            if config.max_env_error_steps and env_error_steps >= config.max_env_error_steps:
+                errors = sorted({t.error for t in trajs})[:3]
+                raise RuntimeError(
+                    f"{env_error_steps} RL steps in a row (to step {step}) trained on nothing: "
+                    f"every rollout was an env error (max_env_error_steps="
+                    f"{config.max_env_error_steps}); first errors: {errors}")
             timed_out = (config.ckpt_every_s
                          and time.perf_counter() - last_save >= config.ckpt_every_s)
             if step % config.ckpt_every == 0 or step == config.total_steps or timed_out:
