@@ -219,7 +219,7 @@ def test_a_run_whose_rollouts_are_all_env_errors_stops_with_an_error(tmp_path):
     timeout no run can meet): each rollout is an env error, and after
     max_env_error_steps such steps in a row the run stops, non-zero, naming why."""
     workdir = str(tmp_path / "run")
-    out = _run(workdir, overrides=("total_steps=4", "max_env_error_steps=2",
+    out = _run(workdir, overrides=("total_steps=4", "max_env_error_steps=2", "sft.steps=0",
                                    "rollout.test_timeout_s=0.001"))
     assert out.returncode != 0
     assert ("2 RL steps in a row (to step 2) trained on nothing: every rollout was an env "
