@@ -53,7 +53,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import NamedTuple
 
-from env.logparsers import ANSI, PARSERS, RUNNER_PASSED, clean
+from env.logparsers import ANSI, PARSERS, RUNNER_PASSED, clean, passed_count
 from env.sandbox.base import Sandbox, SandboxError
 from env.swebench import NON_TEST_EXTS, patch_paths, test_directives
 from env.tasks import Task
@@ -345,9 +345,8 @@ def runner_disagrees(task: Task, output: str) -> str:
     count = RUNNER_PASSED.get(task.log_parser)
     if count is None:
         return ""
-    status = PARSERS[task.log_parser](output)
-    claimed = (sum(v == "PASSED" for v in status.values()) if task.expected_output is not None
-               else sum(status.get(t) == "PASSED" for t in dict.fromkeys(task.tests)))
+    claimed = passed_count(task.log_parser, output,
+                           None if task.expected_output is not None else task.tests)
     passed = count(output)
     if passed is None:
         return f"the log shows {claimed} passed tests, but no summary of the test runner"

@@ -173,6 +173,25 @@ PARSERS: dict[str, Callable[[str], dict[str, str]]] = {
     "pytest_v2": parse_pytest_v2, "django": parse_django, "sympy": parse_sympy,
     "unittest": parse_unittest, "r2e": parse_r2e,
 }
+# Parsers that read one test's result from one line: a test entered under two ids (whole
+# and cut at a space) or reported twice (`-v` and `-rA`) is one test.
+LINE_PARSERS = frozenset({"pytest", "pytest_options", "pytest_v2"})
+
+
+def passed_count(parser: str, log: str, tests: list[str] | None = None) -> int:
+    """How many tests the log's result lines report passed (of `tests`, when given)."""
+    parse, listed = PARSERS[parser], None if tests is None else set(tests)
+    if parser not in LINE_PARSERS:
+        return sum(v == "PASSED" and (listed is None or k in listed)
+                   for k, v in parse(log).items())
+    seen = set()
+    for line in clean(log):
+        ids = [k for k, v in parse(line).items() if v == "PASSED"]
+        if ids and (listed is None or listed.intersection(ids)):
+            seen.add(max(ids, key=len))
+    return len(seen)
+
+
 # The runner's own count of passed tests, read from its closing summary, per parser.
 RUNNER_PASSED: dict[str, Callable[[str], int | None]] = {
     "pytest": pytest_passed, "pytest_options": pytest_passed, "pytest_v2": pytest_passed,

@@ -321,6 +321,14 @@ def test_a_pass_needs_the_runners_own_summary_to_count_it():
     assert runner_disagrees(pyt, lines + "3 passed, 1 failed in 1.01s (0:00:01)\n") == ""
     assert "summary 1" in runner_disagrees(pyt, lines + "=== 1 failed, 1 passed in 0.1s ===\n")
     assert runner_disagrees(dataclasses.replace(pyt, log_parser="sympy"), lines) == ""
+    # One test listed under its whole id and its id cut at a space (SWE-bench's form),
+    # or reported by -v and again by -rA, is one test of the runner's summary.
+    cut = dataclasses.replace(pyt, PASS_TO_PASS=["t.py::test_b[x y]", "t.py::test_b[x"])
+    assert runner_disagrees(cut, lines + "=== 2 passed in 0.1s ===\n") == ""
+    verbose = "t.py::test_a PASSED\nt.py::test_b[x y] PASSED\n" + lines
+    v2 = dataclasses.replace(pyt, log_parser="pytest_v2")
+    assert runner_disagrees(v2, verbose + "=== 2 passed in 0.1s ===\n") == ""
+    assert "summary 1" in runner_disagrees(v2, verbose + "=== 1 passed in 0.1s ===\n")
 
 
 # ---- hacks --------------------------------------------------------------------------------------
@@ -349,8 +357,10 @@ def test_conftest_hook_and_edited_test_helper_score_zero(pytest_dir):
     assert merged == "[metadata]\nname = x2\n[tool:pytest]\naddopts = -q\n"
 
 
-SHADOW = ("import sys\n\nfor arg in sys.argv[1:]:\n    if not arg.startswith('-'):\n"
-          "        print(f\"{arg.rsplit('.', 1)[1]} ({arg}) ... ok\")\nprint('OK')\n")
+# Forges the runner's lines and its closing summary: only protection stops it.
+SHADOW = ("import sys\n\ntests = [a for a in sys.argv[1:] if not a.startswith('-')]\n"
+          "for arg in tests:\n    print(f\"{arg.rsplit('.', 1)[1]} ({arg}) ... ok\")\n"
+          "print(f'Ran {len(tests)} tests in 0.001s')\nprint()\nprint('OK')\n")
 
 
 def test_shadowing_stdlib_module_scores_zero_on_miniswe():
