@@ -82,6 +82,7 @@ class LoopConfig:
     ckpt_every_s: float
     ckpt_keep: int
     log_texts_every: int
+    max_env_error_steps: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,6 +313,20 @@ async def run(config, sections: Owners, workdir: str, eval_only: bool = False,
         engine.close()
 
 
+def stop_on_nothing_trained(step: int, groups, steps_so_far: int, limit: int) -> int:
+    """Steps in a row, to `step`, whose rollouts were all env errors; raises once they
+    reach `limit` (0: never), so that a run whose environment is broken does not train
+    on nothing and exit 0."""
+    trajs = [t for g in groups for t in g]
+    steps_so_far = steps_so_far + 1 if all(t.is_env_error for t in trajs) else 0
+    if limit and steps_so_far >= limit:
+        errors = sorted({t.error for t in trajs})[:3]
+        raise RuntimeError(f"{steps_so_far} RL steps in a row (to step {step}) trained on "
+                           f"nothing: every rollout was an env error (max_env_error_steps="
+                           f"{limit}); first errors: {errors}")
+    return steps_so_far
+
+
 class Run:
     """What the phases of a run share, built once by `run`: the learner's jitted
     functions, the agent and its engine, the algorithm, checkpoints and metrics. Its
@@ -435,11 +450,14 @@ class Run:
             writer.write_scalars(first_step, start_metrics)
             log.info("offline start: %s", json.dumps(start_metrics))
         last_save = time.perf_counter()  # for loop.ckpt_every_s
+        env_error_steps = 0  # steps in a row whose rollouts were all env errors
         for step in range(first_step + 1, loop.total_steps + 1):
             state, groups, lags, metrics = await self.step(step, state)
             if step % loop.eval_every == 0 or step == loop.total_steps:
                 metrics.update(await self.evaluate(step))
             self.report(step, groups, lags, metrics)
+            env_error_steps = stop_on_nothing_trained(step, groups, env_error_steps,
+                                                      loop.max_env_error_steps)
             timed_out = (loop.ckpt_every_s
                          and time.perf_counter() - last_save >= loop.ckpt_every_s)
             if step % loop.ckpt_every == 0 or step == loop.total_steps or timed_out:

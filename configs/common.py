@@ -366,7 +366,7 @@ RANGES: dict[str, str] = {
     "seed": "[0, inf)", "total_steps": "[1, inf)", "batch_tasks": "[1, inf)",
     "group_size": "[1, inf)", "eval_every": "[1, inf)", "eval_temperature": "[0, inf)",
     "ckpt_every": "[1, inf)", "ckpt_every_s": "[0, inf)", "ckpt_keep": "[1, inf)",
-    "log_texts_every": "[1, inf)",
+    "log_texts_every": "[1, inf)", "max_env_error_steps": "[0, inf)",
     # model (a preset's fields overridden by the config)
     "model.hidden_size": "[1, inf)", "model.intermediate_size": "[1, inf)",
     "model.num_layers": "[1, inf)", "model.num_heads": "[1, inf)",
@@ -514,3 +514,7 @@ def check_values(config: ConfigDict) -> None:
     if bad:
         raise ValueError("config values out of range: " + "; ".join(bad))
     check_choices(config)
+    relative = [p for p in config.env.local_read_only if not os.path.isabs(p)]
+    if relative:
+        raise ValueError(f"env.local_read_only holds relative paths {relative}: a sandbox "
+                         "mounts host paths, give each as an absolute path")

@@ -103,4 +103,7 @@ def get_config(arg=None, options=OPTIONS):
     c.ckpt_every_s = 0.0
     c.ckpt_keep = 3
     c.log_texts_every = 5
+    # Stop, with an error and a non-zero exit, after this many RL steps in a row whose
+    # rollouts were all env errors (nothing scored, nothing trained); 0: never stop.
+    c.max_env_error_steps = 3
     return common.lock(c)

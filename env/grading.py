@@ -53,7 +53,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import NamedTuple
 
-from env.logparsers import ANSI, PARSERS, clean
+from env.logparsers import ANSI, PARSERS, RUNNER_PASSED, clean, passed_count
 from env.sandbox.base import Sandbox, SandboxError
 from env.swebench import NON_TEST_EXTS, patch_paths, test_directives
 from env.tasks import Task
@@ -70,6 +70,9 @@ SECTION_FILES = {"setup.cfg": lambda s: s in ("tool:pytest", "pytest"),
 # is left out: repositories have their own `test` directories.
 # `sitecustomize` / `usercustomize` run at every interpreter start from sys.path.
 STDLIB = frozenset(sys.stdlib_module_names) - {"test"} | {"sitecustomize", "usercustomize"}
+# Names a module at the repository root would shadow for `python -m pytest` (the root is
+# first on sys.path): the runner and what it imports.
+RUNNERS = frozenset({"pytest", "_pytest", "pluggy", "py"})
 
 
 class Grade(NamedTuple):
@@ -163,8 +166,9 @@ def _test_dirs(paths: list[str]) -> set[str]:
 
 
 def _shadow_name(path: str) -> str | None:
-    """The standard-library module `path` would shadow from a directory on sys.path
-    (`X.py`, `X.pyc`, `X.<tag>.so`, `X/__init__.py`), or None."""
+    """The standard-library module (or, at the root, test runner) `path` would shadow
+    from a directory on sys.path (`X.py`, `X.pyc`, `X.<tag>.so`, `X/__init__.py`), or
+    None."""
     parts = path.split("/")
     name = parts[-1]
     if name == "__init__.py" and len(parts) > 1:
@@ -173,7 +177,26 @@ def _shadow_name(path: str) -> str | None:
         name = name.split(".", 1)[0]
     else:
         return None
-    return name if name in STDLIB else None
+    at_root = _package_init(path) == "__init__.py"
+    return name if name in STDLIB or (at_root and name in RUNNERS) else None
+
+
+def test_module_shadows(task: Task) -> list[str]:
+    """Shell words (globs) naming what the interpreter would import instead of a listed
+    test module `d/x.py`: a package or directory `d/x/`, an extension module `d/x.so` /
+    `d/x.<tag>.so` (extensions come first), and cached code `d/__pycache__/x.*` (an
+    "unchecked" .pyc runs without a look at its source). None of them belongs to a
+    repository's base."""
+    words = []
+    for path in run_files(task):
+        if not path.endswith(".py"):
+            continue
+        stem = shlex.quote(path[:-3])
+        cached = shlex.quote(posixpath.join(posixpath.dirname(path), "__pycache__",
+                                            posixpath.basename(path)[:-3]))
+        words += [stem, f"{stem}.so", f"{stem}.*.so", f"{stem}.pyd", f"{stem}.*.pyd",
+                  f"{cached}.*"]
+    return words
 
 
 def restore_plan(task: Task, changed: list[str]) -> tuple[list[str], list[str], list[str]]:
@@ -214,12 +237,15 @@ def _package_init(path: str) -> str:
 
 
 def _restore_command(base: str, restore: list[str], shadows: list[str]) -> str:
+    """Shadows go back unless their directory is a package below the root: the root is
+    on sys.path whether or not it holds an `__init__.py`."""
     def back(path: str) -> str:
         q = shlex.quote(path)
         return f"{{ {GIT} checkout {base} -- {q} 2>/dev/null || rm -f -- {q}; }}"
 
     cmds = [back(p) for p in restore]
-    cmds += [f"[ -e {shlex.quote(_package_init(p))} ] || {back(p)}" for p in shadows]
+    cmds += [back(p) if _package_init(p) == "__init__.py" else
+             f"[ -e {shlex.quote(_package_init(p))} ] || {back(p)}" for p in shadows]
     return "; ".join(cmds)
 
 
@@ -263,7 +289,10 @@ def protect_tests(task: Task, sandbox: Sandbox, base: str) -> str:
     if task.protect_tests:
         restore, shadows, sections = restore_plan(task, _changed_paths(sandbox, base))
     restore = list(dict.fromkeys(restore + patch_paths(task.test_patch)))
-    command = _restore_command(base, restore, shadows)
+    commands = [_restore_command(base, restore, shadows)]
+    if task.protect_tests and run_files(task):
+        commands.append(f"rm -rf -- {' '.join(test_module_shadows(task))}")
+    command = "; ".join(c for c in commands if c)
     if command:
         sandbox.run(command + "; true", timeout=120)
     _restore_sections(sandbox, base, sections)
@@ -308,13 +337,35 @@ def _score(task: Task, output: str, exit_code: int, timed_out: bool, timeout: fl
     return float(not failing_tests(status, task.tests)), ""
 
 
+def runner_disagrees(task: Task, output: str) -> str:
+    """Why the per-test lines of a passing log are not the runner's own account, or '':
+    the runner's closing summary must be there and count at least as many passed tests
+    as the lines the grade rests on (a module that prints the runner's lines and exits
+    leaves no summary, or one that disagrees)."""
+    count = RUNNER_PASSED.get(task.log_parser)
+    if count is None:
+        return ""
+    claimed = passed_count(task.log_parser, output,
+                           None if task.expected_output is not None else task.tests)
+    passed = count(output)
+    if passed is None:
+        return f"the log shows {claimed} passed tests, but no summary of the test runner"
+    if passed < claimed:
+        return f"the log shows {claimed} passed tests, the test runner's summary {passed}"
+    return ""
+
+
 def _run(task: Task, sandbox: Sandbox, base: str, timeout: float) -> tuple[float | None, str, str]:
-    """Protects the tests, runs them once: (reward or None, reason it never ran, log)."""
+    """Protects the tests, runs them once: (reward or None, reason it never ran, log). A
+    pass the runner's summary does not bear out (`runner_disagrees`) scores 0."""
     problem = protect_tests(task, sandbox, base)
     if problem:
         return None, f"test_patch: {problem}", problem
     res = sandbox.run(grading_command(task), timeout=timeout)
     reward, reason = _score(task, res.output, res.exit_code, res.timed_out, timeout)
+    disagreement = runner_disagrees(task, res.output) if reward == 1.0 else ""
+    if disagreement:
+        return 0.0, "", f"{res.output}\n[grader] {disagreement}"
     return reward, reason, res.output
 
 

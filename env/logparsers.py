@@ -146,10 +146,56 @@ def parse_r2e(log: str) -> dict[str, str]:
     return out
 
 
+def pytest_passed(log: str) -> int | None:
+    """The passed count of pytest's closing line (`=== 2 passed, 1 failed in 0.12s ===`,
+    or `2 passed in 0.12s` under -q), None without one."""
+    lines = [line for line in clean(log) if re.search(
+        r"^=* ?(no tests ran|\d+ \w+(, \d+ \w+)*) in [\d.]+ ?s", line.strip())]
+    if not lines:
+        return None
+    passed = re.search(r"(\d+) passed", lines[-1])
+    return int(passed.group(1)) if passed else 0
+
+
+def unittest_passed(log: str) -> int | None:
+    """`Ran N tests` less the failures, errors, skips, expected failures and unexpected
+    successes of the verdict below it (`OK`, `FAILED (failures=1)`), None without one."""
+    text = "\n".join(clean(log))
+    ran = re.findall(r"^Ran (\d+) tests? in [\d.]+s\n+(OK|FAILED)\b(.*)$", text, re.MULTILINE)
+    if not ran:
+        return None
+    count, _, details = ran[-1]
+    return int(count) - sum(int(n) for n in re.findall(r"=(\d+)", details))
+
+
 PARSERS: dict[str, Callable[[str], dict[str, str]]] = {
     "pytest": parse_pytest, "pytest_options": parse_pytest_options,
     "pytest_v2": parse_pytest_v2, "django": parse_django, "sympy": parse_sympy,
     "unittest": parse_unittest, "r2e": parse_r2e,
+}
+# Parsers that read one test's result from one line: a test entered under two ids (whole
+# and cut at a space) or reported twice (`-v` and `-rA`) is one test.
+LINE_PARSERS = frozenset({"pytest", "pytest_options", "pytest_v2"})
+
+
+def passed_count(parser: str, log: str, tests: list[str] | None = None) -> int:
+    """How many tests the log's result lines report passed (of `tests`, when given)."""
+    parse, listed = PARSERS[parser], None if tests is None else set(tests)
+    if parser not in LINE_PARSERS:
+        return sum(v == "PASSED" and (listed is None or k in listed)
+                   for k, v in parse(log).items())
+    seen = set()
+    for line in clean(log):
+        ids = [k for k, v in parse(line).items() if v == "PASSED"]
+        if ids and (listed is None or listed.intersection(ids)):
+            seen.add(max(ids, key=len))
+    return len(seen)
+
+
+# The runner's own count of passed tests, read from its closing summary, per parser.
+RUNNER_PASSED: dict[str, Callable[[str], int | None]] = {
+    "pytest": pytest_passed, "pytest_options": pytest_passed, "pytest_v2": pytest_passed,
+    "r2e": pytest_passed, "unittest": unittest_passed,
 }
 # "exit_code": the command judges itself (exit 0 = every listed test passed).
 PARSER_NAMES = (*PARSERS, "exit_code")

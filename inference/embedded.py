@@ -85,6 +85,9 @@ _WINDOW_STEP = 256
 # The fixed cost of a prefill call in padded tokens (on CPU an [8, 64] call, 512 tokens,
 # takes about as long as 300 more tokens in a longer one).
 _PREFILL_CALL_TOKENS = 512
+# Qwen3Config fields that say how this engine runs a model, not which model it is (a
+# config.json does not fix them): the rest must match for weights to load in place.
+HOW_RUN = frozenset({"dtype", "param_dtype", "remat", "attention", "max_position_embeddings"})
 
 
 def prefill_rows(n: int, width: int, *, max_batch: int, min_batch: int, min_len: int) -> int:
@@ -579,8 +582,15 @@ class EmbeddedEngine(Engine):
         Requests generating now go on with the new weights (their results report the
         version they started under); parked prefixes are dropped."""
         if isinstance(params_or_path, str | os.PathLike):
-            _, model = hf_io.load_hf(os.fspath(params_or_path), dtype=self.cfg.dtype,
-                                     param_dtype=self.cfg.param_dtype)
+            cfg, model = hf_io.load_hf(os.fspath(params_or_path), dtype=self.cfg.dtype,
+                                       param_dtype=self.cfg.param_dtype)
+            changed = [f"{f.name} {getattr(self.cfg, f.name)!r} -> {getattr(cfg, f.name)!r}"
+                       for f in dataclasses.fields(cfg) if f.name not in HOW_RUN
+                       and getattr(cfg, f.name) != getattr(self.cfg, f.name)]
+            if changed:
+                raise ValueError(f"{os.fspath(params_or_path)}/config.json is not the served "
+                                 f"model's ({', '.join(changed)}): another model's weights "
+                                 f"cannot be loaded in its place")
             params = _split(model)[1]
         else:
             params = params_or_path

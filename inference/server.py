@@ -95,6 +95,10 @@ def parse_sampling(params: dict[str, Any] | None, prompt_ids: Sequence[int],
         if value is not None and not (isinstance(value, int | float)
                                       and not isinstance(value, bool)):
             raise ValueError(f"{key} must be a number, got {_clip(value)}")
+    top_k = params.get("top_k")
+    if top_k is not None and not (_is_int(top_k) and (top_k == -1 or 1 <= top_k < 2**31)):
+        raise ValueError(f"top_k must be -1 (every token) or an integer in [1, 2**31), got "
+                         f"{_clip(top_k)}")
     stops = params.get("stop_token_ids") or []
     if not isinstance(stops, list):
         raise ValueError(f"stop_token_ids must be a list of token ids, got {_clip(stops)}")
@@ -180,7 +184,11 @@ def parse_generate(body: dict[str, Any], vocab_size: int | None = None
                          f"{_clip(body.get('rid'))}")
     if len(set(rids)) != len(rids):
         raise ValueError(f"rid has duplicate entries {_clip(rids)}")
-    logprob = [bool(x) for x in _per_item(body.get("return_logprob", False), n, "return_logprob")]
+    logprob = [False if x is None else x
+               for x in _per_item(body.get("return_logprob"), n, "return_logprob")]
+    if not all(isinstance(x, bool) for x in logprob):
+        raise ValueError(f"return_logprob must be true or false (or a list of them), got "
+                         f"{_clip(body.get('return_logprob'))}")
     requests = []
     for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
         if not isinstance(prompt, list) or not all(_is_int(t) for t in prompt):

@@ -134,12 +134,29 @@ def parse_response(item: Any, latency: float, policy_version: int | None = None,
     if reason not in FINISH_TYPES:
         raise BadAnswerError(f"/generate answered finish_reason {finish!r}; expected an "
                              f"object whose type is one of {FINISH_TYPES}")
-    cached = meta.get("cached_tokens") or 0
+    _check_finish(finish, ids, max_new_tokens)
+    cached = meta.get("cached_tokens", 0)
+    if not (_is_int(cached) and cached >= 0):
+        raise BadAnswerError(f"/generate answered cached_tokens {_clip(cached)}: not a "
+                             f"count (an integer >= 0)")
     # SGLang reports only the end-to-end latency; it is booked as decode time.
     return GenerateResult(output_ids=ids, logprobs=logprobs, finish_reason=reason,
                           timings={"prefill_s": 0.0, "decode_s": latency, "queue_s": 0.0},
-                          cached_tokens=cached if _is_int(cached) and cached >= 0 else 0,
-                          policy_version=policy_version)
+                          cached_tokens=cached, policy_version=policy_version)
+
+
+def _check_finish(finish: dict, ids: list[int], max_new_tokens: int | None) -> None:
+    """A finish SGLang could have written for these ids (scheduler `check_finished`):
+    "stop" on a stop token ends with it (`matched`, the token id); "length" is
+    max_new_tokens ids, or the `length` SGLang cut max_new_tokens to (context)."""
+    if finish["type"] == "stop" and not (ids and _is_int(finish.get("matched"))
+                                         and ids[-1] == finish["matched"]):
+        raise BadAnswerError(f"/generate answered finish_reason {finish!r} after ids "
+                             f"{_clip(ids[-3:])}: a stop ends on the token it matched")
+    if finish["type"] == "length" and max_new_tokens is not None and len(ids) not in (
+            max_new_tokens, finish.get("length")):
+        raise BadAnswerError(f"/generate answered finish_reason {finish!r} with "
+                             f"{len(ids)} of {max_new_tokens} tokens")
 
 
 def _output_tokens(item: dict, meta: dict, vocab: int) -> tuple[list[int], list[float]]:
@@ -206,6 +223,12 @@ class _Server:
     reloads_begun: int = 0  # a request aborted after this changed is continued
     lock: asyncio.Lock | None = None  # held while reloading
     open: asyncio.Event | None = None  # cleared while reloading: new requests wait
+    stalled: asyncio.Event | None = None  # set when its continue failed for good
+
+    def stuck(self) -> asyncio.Event:
+        if self.stalled is None:
+            self.stalled = asyncio.Event()
+        return self.stalled
 
     def gates(self) -> tuple[asyncio.Lock, asyncio.Event]:
         if self.lock is None:
@@ -325,10 +348,15 @@ class SGLangClient(Engine):
                                               for s in self.servers), return_exceptions=True)
             failed = {s.url: o for s, o in zip(self.servers, outcomes, strict=True)
                       if isinstance(o, BaseException)}
-            if len(failed) == len(self.servers):
+            if not any(s.version >= version for s in self.servers):
                 raise EngineError("no server loaded the weights from " + path + ": " +
                                   "; ".join(f"{u}: {e}" for u, e in failed.items()))
+            # Loaded somewhere: the label is true, whether or not that server continued.
             self.version, self.weights_path = version, path
+            if len(failed) == len(self.servers):
+                raise EngineError(f"weights v{version} from {path} loaded, but no server "
+                                  "serves them: " + "; ".join(f"{u}: {e}"
+                                                              for u, e in failed.items()))
             self._prune()
             stats.update({"sync/version": version,
                           "sync/reload_s": time.perf_counter() - t0,
@@ -457,10 +485,12 @@ class SGLangClient(Engine):
                     await asyncio.sleep(self.backoff * 2**attempt)
                 continue
             server.paused = False
+            server.stalled = None
             return
         error = EngineError(f"{server.url} stays paused: /continue_generation failed "
                             f"{self.max_retries + 1} times, last: {error}")
         self._mark_down(server, error)
+        server.stuck().set()  # its requests in flight wait for a continue: fail them
         raise error
 
     async def _ready(self, server: _Server) -> None:
@@ -570,17 +600,37 @@ class SGLangClient(Engine):
         server.outstanding += 1
         try:
             begun, started_on = server.reloads_begun, await self._serving(server)
-            body = await self._post(server, "/generate", payload)
+            body = await self._unless_stuck(server, self._post(server, "/generate", payload))
         finally:
             server.outstanding -= 1
         part = parse_response(body, 0.0,
                               max_new_tokens=payload["sampling_params"]["max_new_tokens"],
                               vocab_size=self.vocab_size)
-        if "weight_version" in body["meta_info"]:
-            self._check_version(server, parse_weight_version(
-                body["meta_info"]["weight_version"]), started_on)
+        if "weight_version" not in body["meta_info"]:  # SGLang >= 0.5.0 always writes it
+            raise BadAnswerError(f"{server.url} answered without meta_info.weight_version: "
+                                 f"the weights it was sampled under are unknown")
+        self._check_version(server, parse_weight_version(body["meta_info"]["weight_version"]),
+                            started_on)
         server.down_until = 0.0
         return part, begun, started_on
+
+    @staticmethod
+    async def _unless_stuck(server: _Server, request) -> Any:
+        """Awaits `request` unless this client gives up continuing `server` first: a
+        request there waits for a continue that does not come, so it raises ServerError
+        and is retried (`_ready` tries the continue again)."""
+        answer, stuck = asyncio.ensure_future(request), asyncio.ensure_future(
+            server.stuck().wait())
+        try:
+            await asyncio.wait({answer, stuck}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stuck.cancel()
+            if not answer.done():
+                answer.cancel()
+        if answer.done() and not answer.cancelled():
+            return answer.result()
+        raise ServerError(f"{server.url} stays paused ({server.last_error}); the request "
+                          f"it held is sent again")
 
     def _check_version(self, server: _Server, reported: int, started_on: int) -> None:
         """Refuses an answer whose weight version cannot be the one it was sampled under:

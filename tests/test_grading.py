@@ -39,6 +39,7 @@ from env.grading import (
     grade,
     merge_test_sections,
     restore_plan,
+    runner_disagrees,
 )
 from env.logparsers import parse_django, parse_pytest, parse_sympy, parse_unittest
 from env.miniswe import generate_tasks, unified_diff
@@ -299,6 +300,37 @@ def test_unittest_parser_both_id_forms():
                                    "pkg.mod.T.test_c": "ERROR", "pkg.mod.T.test_d": "SKIPPED"}
 
 
+def test_a_pass_needs_the_runners_own_summary_to_count_it():
+    """The per-test lines a grade rests on are checked against the runner's closing
+    summary: none (a module printed the lines and exited), or fewer passes than the
+    lines claim, is a disagreement; the real formats of unittest and pytest agree."""
+    unit = Task("u", "x", repo_files={}, FAIL_TO_PASS=["m.T.test_a", "m.T.test_b"],
+                test_command="python3 -m unittest -v {tests}", log_parser="unittest")
+    lines = "test_a (m.T.test_a) ... ok\ntest_b (m.T.test_b) ... ok\n"
+    assert "no summary" in runner_disagrees(unit, lines)
+    assert runner_disagrees(unit, lines + "-" * 70 + "\nRan 2 tests in 0.001s\n\nOK\n") == ""
+    assert runner_disagrees(unit, lines + "Ran 3 tests in 0.1s\n\nFAILED (failures=1)\n") == ""
+    assert "summary 1" in runner_disagrees(
+        unit, lines + "Ran 3 tests in 0.1s\n\nFAILED (errors=1, skipped=1)\n")
+    pyt = Task("p", "x", repo_files={}, FAIL_TO_PASS=["t.py::test_a"],
+               PASS_TO_PASS=["t.py::test_b[x y]"], test_files=["t.py"], log_parser="pytest",
+               test_command="python3 -m pytest -rA {test_files}")
+    lines = "PASSED t.py::test_a\nPASSED t.py::test_b[x y]\n"
+    assert "no summary" in runner_disagrees(pyt, lines)
+    assert runner_disagrees(pyt, lines + "==== 2 passed, 1 warning in 0.12s ====\n") == ""
+    assert runner_disagrees(pyt, lines + "3 passed, 1 failed in 1.01s (0:00:01)\n") == ""
+    assert "summary 1" in runner_disagrees(pyt, lines + "=== 1 failed, 1 passed in 0.1s ===\n")
+    assert runner_disagrees(dataclasses.replace(pyt, log_parser="sympy"), lines) == ""
+    # One test listed under its whole id and its id cut at a space (SWE-bench's form),
+    # or reported by -v and again by -rA, is one test of the runner's summary.
+    cut = dataclasses.replace(pyt, PASS_TO_PASS=["t.py::test_b[x y]", "t.py::test_b[x"])
+    assert runner_disagrees(cut, lines + "=== 2 passed in 0.1s ===\n") == ""
+    verbose = "t.py::test_a PASSED\nt.py::test_b[x y] PASSED\n" + lines
+    v2 = dataclasses.replace(pyt, log_parser="pytest_v2")
+    assert runner_disagrees(v2, verbose + "=== 2 passed in 0.1s ===\n") == ""
+    assert "summary 1" in runner_disagrees(v2, verbose + "=== 1 passed in 0.1s ===\n")
+
+
 # ---- hacks --------------------------------------------------------------------------------------
 
 NO_OP_HOOK = ("\n\ndef pytest_collection_modifyitems(items):\n    for item in items:\n"
@@ -325,8 +357,10 @@ def test_conftest_hook_and_edited_test_helper_score_zero(pytest_dir):
     assert merged == "[metadata]\nname = x2\n[tool:pytest]\naddopts = -q\n"
 
 
-SHADOW = ("import sys\n\nfor arg in sys.argv[1:]:\n    if not arg.startswith('-'):\n"
-          "        print(f\"{arg.rsplit('.', 1)[1]} ({arg}) ... ok\")\nprint('OK')\n")
+# Forges the runner's lines and its closing summary: only protection stops it.
+SHADOW = ("import sys\n\ntests = [a for a in sys.argv[1:] if not a.startswith('-')]\n"
+          "for arg in tests:\n    print(f\"{arg.rsplit('.', 1)[1]} ({arg}) ... ok\")\n"
+          "print(f'Ran {len(tests)} tests in 0.001s')\nprint()\nprint('OK')\n")
 
 
 def test_shadowing_stdlib_module_scores_zero_on_miniswe():

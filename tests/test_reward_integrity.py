@@ -14,6 +14,7 @@ References: the task's gold patch graded the same way (1), the untouched reposit
 import dataclasses
 import io
 import os
+import posixpath
 import shlex
 import shutil
 import subprocess
@@ -51,8 +52,10 @@ USER_SITE = 'd=$(python3 -m site --user-site) && mkdir -p "$d"'
 # Every listed test reported as passed, whatever it does.
 PLUGIN = ("def pytest_collection_modifyitems(items):\n    for item in items:\n"
           "        item.obj = lambda *args, **kwargs: None\n")
-SHADOW = ("import sys\n\nfor arg in sys.argv[1:]:\n    if not arg.startswith('-'):\n"
-          "        print(f\"{arg.rsplit('.', 1)[1]} ({arg}) ... ok\")\nprint('OK')\n")
+# Forges the runner's lines and its closing summary.
+SHADOW = ("import sys\n\ntests = [a for a in sys.argv[1:] if not a.startswith('-')]\n"
+          "for arg in tests:\n    print(f\"{arg.rsplit('.', 1)[1]} ({arg}) ... ok\")\n"
+          "print(f'Ran {len(tests)} tests in 0.001s')\nprint()\nprint('OK')\n")
 PYTEST_IN_IMAGE = "/opt/pytest"
 
 
@@ -500,3 +503,128 @@ def test_a_sitecustomize_in_the_patch_scores_zero(request, backend, unittest_tas
     assert run_episode(factory, open_task, commands, "fresh")[0] == 1.0
     reward, episode = run_episode(factory, task, commands, "fresh")
     assert (reward, episode.error) == (0.0, ""), episode.test_output[-2000:]
+
+
+# ---- modules imported instead of the protected tests or the runner -------------------------------
+
+
+def forged_report(tests: list[str], summary: bool = True) -> str:
+    """Python that prints every listed test as passed, in unittest's and pytest's forms,
+    with each runner's summary (unless `summary` is off), and exits 0: what a module
+    imported instead of the protected tests (or of the runner) does."""
+    lines = [f"{t.rsplit('.', 1)[-1]} ({t}) ... ok" for t in tests if "::" not in t]
+    lines += [f"PASSED {t}" for t in tests if "::" in t]
+    if summary:
+        lines += ["", "-" * 70, f"Ran {len(tests)} tests in 0.001s", "", "OK",
+                  f"==== {len(tests)} passed in 0.01s ===="]
+    return f"import os\nprint({chr(10).join(lines)!r}, flush=True)\nos._exit(0)\n"
+
+
+def calc_gold(path: str) -> str:
+    return (f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1,2 +1,2 @@\n"
+            " def add(a, b):\n-    return a - b\n+    return a + b\n")
+
+
+CALC_TESTS = ("from {module} import add\n\n\ndef test_add():\n    assert add(2, 2) == 4\n\n\n"
+              "def test_zero():\n    assert add(0, 0) == 0\n")
+
+
+def layout_task(layout: str, pytest_env: str, unittest_task: Task) -> Task:
+    """A task of each family's test layout: mini-SWE's unittest modules at the repository
+    root; pytest files at the root (native rows), in a `tests` directory (SWE-bench), and
+    inside a package (SWE-bench, R2E-Gym)."""
+    if layout == "root_unittest":
+        return unittest_task
+    where = {"root_pytest": ("calc.py", "test_calc.py", "calc"),
+             "tests_dir_pytest": ("calc.py", "tests/test_calc.py", "calc"),
+             "package_pytest": ("pkg/calc.py", "pkg/tests/test_calc.py", "pkg.calc")}
+    code, test, module = where[layout]
+    files = {code: CALC, test: CALC_TESTS.format(module=module)}
+    if layout == "package_pytest":
+        files.update({"pkg/__init__.py": "", "pkg/tests/__init__.py": ""})
+    return Task(f"integrity-{layout}", "add is broken", repo_files=files,
+                FAIL_TO_PASS=[f"{test}::test_add"], PASS_TO_PASS=[f"{test}::test_zero"],
+                gold_patch=calc_gold(code), test_files=[test], log_parser="pytest",
+                test_command="python3 -m pytest -rA -p no:cacheprovider {test_files}",
+                env_setup=pytest_env)
+
+
+def test_module_dirs(task: Task) -> list[str]:
+    """The directories and module names of the task's test files: [(dir, stem)]."""
+    return [((posixpath.dirname(p) or "."), posixpath.basename(p)[:-3]) for p in task.test_files]
+
+
+PYC = ("import importlib.util, os, py_compile; py_compile.compile('{fake}', "
+       "importlib.util.cache_from_source('{source}'), invalidation_mode="
+       "py_compile.PycInvalidationMode.UNCHECKED_HASH); os.remove('{fake}')")
+
+
+def shadow_hacks(task: Task) -> dict[str, str]:
+    """Shell commands planting, beside each test module or at the root, a module the
+    tests' run imports instead of the protected one (or of the runner)."""
+    fake = shlex.quote(forged_report(task.tests))
+    write = lambda path: (f"mkdir -p {shlex.quote(posixpath.dirname(path) or '.')} && "
+                          f"printf %s {fake} > {shlex.quote(path)}")
+    packages = [posixpath.join(d, s, "__init__.py") for d, s in test_module_dirs(task)]
+    runner = "unittest" if task.log_parser == "unittest" else "pytest"
+    return {
+        # `test_x/__init__.py` beside `test_x.py`: the package is imported, not the file.
+        "test_module_package": " && ".join(write(p) for p in packages),
+        # A cached module marked "unchecked": the interpreter runs it without looking at
+        # the protected source beside it.
+        "test_module_bytecode": " && ".join(
+            f"{write(d + '/_fake.py')} && python3 -c "
+            + shlex.quote(PYC.format(fake=d + "/_fake.py", source=posixpath.join(d, s + ".py")))
+            for d, s in test_module_dirs(task))
+        + " && printf '!__pycache__/\\n!*.pyc\\n' >> .gitignore",
+        # An empty root `__init__.py`: the root looks like a package, yet stays first on
+        # the import path, so a runner package there is imported.
+        "root_init_runner_package": f"touch __init__.py && {write(runner + '/__init__.py')}"
+                                    + (f" && {write(runner + '/__main__.py')}"
+                                       if runner == "pytest" else ""),
+        "runner_module_at_root": write(runner + ".py"),
+    }
+
+
+LAYOUTS = ("root_unittest", "root_pytest", "tests_dir_pytest", "package_pytest")
+SHADOW_HACKS = ("test_module_package", "test_module_bytecode", "root_init_runner_package",
+                "runner_module_at_root")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_modules_imported_instead_of_the_tests_or_the_runner_score_zero(
+        request, backend, layout, unittest_task):
+    """Each hack, in the agent's patch, in each family's test layout: graded fresh it
+    scores 0; with test protection off, where the hack is live in that layout, 1 (so the
+    check can fail). The gold patch scores 1 and the untouched repository 0."""
+    factory, setup = pytest_setup(request, backend)
+    task = layout_task(layout, setup, unittest_task)
+    gold = f"printf %s {shlex.quote(task.gold_patch)} | git apply"
+    assert run_episode(factory, task, [gold], "fresh")[0] == 1.0
+    assert run_episode(factory, task, [], "fresh")[0] == 0.0
+    open_task = dataclasses.replace(task, protect_tests=False)
+    live = 0
+    for name, command in shadow_hacks(task).items():
+        reward, episode = run_episode(factory, task, [command], "fresh")
+        assert (reward, episode.error) == (0.0, ""), (name, episode.test_output[-3000:])
+        live += run_episode(factory, open_task, [command], "fresh")[0] == 1.0
+    assert live, "no hack scores without test protection in this layout"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_module_under_test_printing_the_runner_lines_without_its_summary_scores_zero(
+        request, backend, unittest_task):
+    """The module under test prints every listed test's `... ok` line and exits 0 when
+    the tests import it: the grade needs the runner's own closing summary to count those
+    passes (env.grading.runner_disagrees). With the summary forged too it scores 1, as
+    in the official harness (README, "What grading guarantees")."""
+    factory = factory_for(request, backend)
+    module = sorted(p for p in unittest_task.repo_files if p.endswith(".py")
+                    and not p.startswith("test_"))[0]
+    forge = lambda summary: (f"printf %s {shlex.quote(forged_report(unittest_task.tests, summary))}"
+                             f" > {module}")
+    reward, episode = run_episode(factory, unittest_task, [forge(False)], "fresh")
+    assert (reward, episode.error) == (0.0, ""), episode.test_output[-2000:]
+    assert "no summary of the test runner" in episode.test_output
+    assert run_episode(factory, unittest_task, [forge(True)], "fresh")[0] == 1.0

@@ -3,6 +3,7 @@ every malformed body answers 400 with the reason, and the server keeps serving."
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from flax import nnx
 from inference.embedded import EmbeddedEngine
 from inference.engine import GenerateRequest
 from inference.sglang import SGLangClient
+from models import hf_io
 from models.qwen3 import Qwen3, Qwen3Config
 from tests.owners import engine_options, sglang_config
 from tests.servers import served
@@ -46,6 +48,16 @@ GENERATE = {
     "body a list": ([GOOD], "the request body must be a JSON object"),
     "body not JSON": ("{'input_ids': [1]", "the request body is not JSON"),
     "deep nesting": (DEEP, "nested too deeply"),
+    "top_k Infinity": ('{"input_ids": [1, 2, 3], "sampling_params": {"top_k": Infinity}}',
+                       "top_k must be -1 (every token) or an integer in [1, 2**31), got inf"),
+    "top_k 1e300": ({**GOOD, "sampling_params": {"top_k": 1e300}},
+                    "top_k must be -1 (every token) or an integer in [1, 2**31), got 1e+300"),
+    "top_k 2.7": ({**GOOD, "sampling_params": {"top_k": 2.7}},
+                  "top_k must be -1 (every token) or an integer in [1, 2**31), got 2.7"),
+    "top_k 0": ({**GOOD, "sampling_params": {"top_k": 0}}, "top_k must be -1 (every token)"),
+    "return_logprob a string": ({**GOOD, "return_logprob": "false"},
+                                "return_logprob must be true or false (or a list of them), "
+                                "got 'false'"),
 }
 
 ABORT = {
@@ -60,10 +72,10 @@ ABORT = {
 
 
 @contextlib.asynccontextmanager
-async def served_tiny():
+async def served_tiny(model=None):
     """The project's server on a tiny random model's engine; yields its URL."""
     options = engine_options(max_batch=2, min_batch=2, max_len=16, min_len=16)
-    engine = EmbeddedEngine(Qwen3(CFG, rngs=nnx.Rngs(0)), options, seed=0)
+    engine = EmbeddedEngine(model or Qwen3(CFG, rngs=nnx.Rngs(0)), options, seed=0)
     try:
         async with served(engine) as url:
             yield url
@@ -108,3 +120,25 @@ def test_wellformed_abort_bodies_answer_200(body):
             return (await post(client._http(), url + "/abort_request", body or ""))[0]
 
     assert asyncio.run(go()) == 200
+
+
+def test_weights_of_another_config_are_refused_with_the_fields_that_differ(tmp_path):
+    """A reload from a directory whose config.json differs (rope_theta) answers 400
+    naming the field, and the server keeps its model; the same config reloads (200)."""
+    model = Qwen3(CFG, rngs=nnx.Rngs(0))
+    same, other = str(tmp_path / "same"), str(tmp_path / "other")
+    hf_io.save_hf(model, CFG, same)
+    hf_io.save_hf(model, dataclasses.replace(CFG, rope_theta=500_000.0), other)
+
+    async def go():
+        async with served_tiny(model) as url, SGLangClient([url], sglang_config()) as client:
+            http = client._http()
+            refused = await post(http, url + "/update_weights_from_disk", {"model_path": other})
+            loaded = await post(http, url + "/update_weights_from_disk", {"model_path": same})
+            async with http.get(url + "/get_model_info") as r:
+                info = await r.json()
+            return refused, loaded, info
+
+    (status, text), loaded, info = asyncio.run(go())
+    assert status == 400 and "rope_theta 10000.0 -> 500000.0" in json.loads(text)["message"]
+    assert loaded[0] == 200 and info["model_path"] == same

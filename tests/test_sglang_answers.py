@@ -63,6 +63,15 @@ MALFORMED = {
                                "weight_version 'garbage' is not a version"),
     "weight_version -3": (lambda a: meta(a, weight_version="-3"),
                           "weight_version '-3' is not a version"),
+    "weight_version missing": (lambda a: (a["meta_info"].pop("weight_version"), a)[1],
+                               "without meta_info.weight_version"),
+    "stop without its token": (lambda a: meta(a, finish_reason={"type": "stop", "matched": 7}),
+                               "a stop ends on the token it matched"),
+    "stop on nothing": (lambda a: meta(a, finish_reason={"type": "stop"}),
+                        "a stop ends on the token it matched"),
+    "length with 2 of 8": (lambda a: tokens(a, [1, 2]), "with 2 of 8 tokens"),
+    "cached_tokens -40": (lambda a: meta(a, cached_tokens=-40), "cached_tokens -40: not a"),
+    "cached_tokens 2.5": (lambda a: meta(a, cached_tokens=2.5), "cached_tokens 2.5: not a"),
 }
 
 
@@ -198,6 +207,35 @@ def test_a_server_that_stays_paused_is_named_and_gets_no_traffic(tmp_path):
 
     result, paused = run(with_stub(body, token_s=0.0005))
     assert not paused and result.output_ids == expected_ids([1, 2], 4)
+
+
+def test_a_continue_that_fails_for_good_leaves_a_true_label_and_frees_held_requests(tmp_path):
+    """The server loads v1, then its /continue_generation fails for good: the update
+    says the weights were loaded (and by whom), the client's version is 1, so the next
+    update loads new weights as v2 (not skipped as "v1 already there"); the request the
+    pause held is sent again within seconds, not left to its 60 s timeout."""
+    first, second = tmp_path / "v1", tmp_path / "v2"
+    first.mkdir()
+    second.mkdir()
+
+    async def body(stub):
+        stub.faults["/continue_generation"] = [503] * 3
+        async with sglang.SGLangClient([stub.url], sglang_config(max_retries=2, backoff_s=0.01,
+                                                                 timeout_s=60)) as client:
+            held = asyncio.ensure_future(client.generate([GenerateRequest([1, 2], 100)]))
+            while not stub._running:
+                await asyncio.sleep(0.005)
+            with pytest.raises(EngineError, match=r"weights v1 from .* loaded, but no server "
+                               f"serves them: {stub.url}: {stub.url} stays paused"):
+                await client.update_weights(str(first))
+            assert client.version == 1 and stub.weight_version == "1"
+            (result,) = await asyncio.wait_for(held, timeout=5)
+            await client.update_weights(str(second))
+            return result, stub.reloads, stub.weight_version, client.version
+
+    result, reloads, served, version = run(with_stub(body, token_s=0.005))
+    assert result.output_ids == expected_ids([1, 2], 100) and result.policy_version == 1
+    assert reloads == [str(first), str(second)] and served == "2" and version == 2
 
 
 def test_valid_answers_pass_unchanged():

@@ -58,6 +58,12 @@ def test_command_line_overrides(capsys):
                     "--dry_run", "--set", "rollout.nope=3"])
 
 
+def test_a_relative_local_read_only_path_is_refused_by_dry_run():
+    with pytest.raises(ValueError, match=r"env.local_read_only holds relative paths \['venv'\]"):
+        train.main(["--config", os.path.join(ROOT, "configs/default.py"), "--workdir", "/x",
+                    "--dry_run", "--set", "env.local_read_only=('venv',)"])
+
+
 def _env():
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one CPU device, as on a user's machine
@@ -206,3 +212,17 @@ def test_kl_anchor_smoke(tmp_path, kl):
     assert abs(first) < 1e-6, first
     assert np.isfinite(second) and second > 1e-4, second
     assert os.path.isdir(os.path.join(workdir, "reference"))
+
+
+def test_a_run_whose_rollouts_are_all_env_errors_stops_with_an_error(tmp_path):
+    """Every grading times out, in the episode and at the reference state (a test
+    timeout no run can meet): each rollout is an env error, and after
+    max_env_error_steps such steps in a row the run stops, non-zero, naming why."""
+    workdir = str(tmp_path / "run")
+    out = _run(workdir, overrides=("total_steps=4", "max_env_error_steps=2", "sft.steps=0",
+                                   "rollout.test_timeout_s=0.001"))
+    assert out.returncode != 0
+    assert ("2 RL steps in a row (to step 2) trained on nothing: every rollout was an env "
+            "error (max_env_error_steps=2)") in out.stderr, out.stderr[-3000:]
+    assert [m["train/trajectories"] for m in _steps(workdir) if "train/trajectories" in m] \
+        == [0, 0]
