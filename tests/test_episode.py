@@ -126,7 +126,8 @@ def test_edited_tests_do_not_count(factory):
 def test_r2e_gym_and_test_patch_grading(factory):
     log = ("============ short test summary info ============\n"
            "PASSED r2e_tests/test_t.py::TestT::test_a\n"
-           "FAILED r2e_tests/test_t.py::TestT::test_b - AssertionError: x\n")
+           "FAILED r2e_tests/test_t.py::TestT::test_b - AssertionError: x\n"
+           "============ 1 failed, 1 passed in 0.12s ============\n")
     assert parse_r2e("noise\n" + log) == {"TestT.test_a": "PASSED",
                                                      "TestT.test_b": "FAILED"}
     assert parse_r2e("no summary") == {}

@@ -497,6 +497,7 @@ def test_a_sitecustomize_in_the_patch_scores_zero(request, backend, unittest_tas
     task = dataclasses.replace(unittest_task, env_setup="export PYTHONPATH=$PWD")
     fake = ("import sys\nif sys.argv[:1] != ['-c']:\n" + "".join(
         f"    print('{t.rsplit('.', 1)[1]} ({t}) ... ok')\n" for t in task.tests)
+        + f"    print('Ran {len(task.tests)} tests in 0.001s')\n    print()\n"
         + "    print('OK')\n    raise SystemExit(0)\n")
     commands = [f"printf %s {shlex.quote(fake)} > sitecustomize.py"]
     open_task = dataclasses.replace(task, protect_tests=False)
@@ -549,7 +550,7 @@ def layout_task(layout: str, pytest_env: str, unittest_task: Task) -> Task:
                 env_setup=pytest_env)
 
 
-def test_module_dirs(task: Task) -> list[str]:
+def _test_module_dirs(task: Task) -> list[str]:
     """The directories and module names of the task's test files: [(dir, stem)]."""
     return [((posixpath.dirname(p) or "."), posixpath.basename(p)[:-3]) for p in task.test_files]
 
@@ -565,7 +566,7 @@ def shadow_hacks(task: Task) -> dict[str, str]:
     fake = shlex.quote(forged_report(task.tests))
     write = lambda path: (f"mkdir -p {shlex.quote(posixpath.dirname(path) or '.')} && "
                           f"printf %s {fake} > {shlex.quote(path)}")
-    packages = [posixpath.join(d, s, "__init__.py") for d, s in test_module_dirs(task)]
+    packages = [posixpath.join(d, s, "__init__.py") for d, s in _test_module_dirs(task)]
     runner = "unittest" if task.log_parser == "unittest" else "pytest"
     return {
         # `test_x/__init__.py` beside `test_x.py`: the package is imported, not the file.
@@ -575,7 +576,7 @@ def shadow_hacks(task: Task) -> dict[str, str]:
         "test_module_bytecode": " && ".join(
             f"{write(d + '/_fake.py')} && python3 -c "
             + shlex.quote(PYC.format(fake=d + "/_fake.py", source=posixpath.join(d, s + ".py")))
-            for d, s in test_module_dirs(task))
+            for d, s in _test_module_dirs(task))
         + " && printf '!__pycache__/\\n!*.pyc\\n' >> .gitignore",
         # An empty root `__init__.py`: the root looks like a package, yet stays first on
         # the import path, so a runner package there is imported.
