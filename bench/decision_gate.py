@@ -78,7 +78,11 @@ def _config(seed: int):
 
 def measure(root: str, seed: int, prefix_rollouts: int = 8) -> dict:
     """The warm start's histogram, prefix table and the taxonomy of its failed rollouts
-    (the histogram's), on training tasks of the family."""
+    (the histogram's), on training tasks of the family; the failed rollouts' calls go to
+    `failed_rollouts.jsonl` beside it. prefix_rollouts 0 keeps the prefix table already
+    measured (the histogram's rollouts are the same: seeded per task)."""
+    path = os.path.join(root, f"seed{seed}", "measure.json")
+    before = _load(path)
     workdir = ex.warm_start(root, seed, SETS["grpo"], WARM)
     agent, train_tasks = sc.load_agent(_config(seed), workdir)
     try:
@@ -92,11 +96,19 @@ def measure(root: str, seed: int, prefix_rollouts: int = 8) -> dict:
     failed = [t for g in groups for t in g if t.is_scored and t.reward == 0]
     marks = [tx.first_mistake(t.turns, t.status, by_id[t.task_id].metadata["bugs"])
              for t in failed]
+    with open(os.path.join(root, f"seed{seed}", "failed_rollouts.jsonl"), "w") as f:
+        for t, (kind, _) in zip(failed, marks, strict=True):
+            f.write(json.dumps({"task_id": t.task_id, "status": t.status, "class": kind,
+                                "calls": [[turn.tool_call, (turn.observation or "")[:200]]
+                                          for turn in t.turns]}) + "\n")
+    if "prefix" not in out and "prefix" in before:
+        out["prefix"] = {**before["prefix"], "from": "an earlier measure of the same warm start"}
+        out["previous_histogram"] = before.get("histogram")
     out["taxonomy"] = {**tx.table([m[0] for m in marks]),
                        "examples": {c: next((e for k, e in marks if k == c), "")
                                     for c in tx.CLASSES}}
     out["load"] = sc.load_note()
-    with open(os.path.join(root, f"seed{seed}", "measure.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(out, f, indent=1)
     return out
 
@@ -150,6 +162,8 @@ def main(argv=None) -> dict | None:
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=CRITERIA["steps"])
+    p.add_argument("--prefix-rollouts", type=int, default=8,
+                   help="rollouts per prefix length (0: keep the table already measured)")
     p.add_argument("--try", dest="name", default="decide_sft256_t04")
     p.add_argument("--note", default="")
     p.add_argument("--out", default=os.path.join(sc.RESULTS, "gate.json"))
@@ -160,7 +174,7 @@ def main(argv=None) -> dict | None:
             print(ex.warm_start(args.root, seed, SETS["grpo"], WARM))
         return None
     if args.stage == "measure":
-        result = measure(args.root, args.seed)
+        result = measure(args.root, args.seed, args.prefix_rollouts)
     elif args.stage == "runs":
         run_all(args.root, seeds, args.steps)
         return None

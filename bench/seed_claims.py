@@ -192,7 +192,8 @@ async def measure_warm_start(agent, train_tasks, rng: np.random.Generator,
                                   _progress("histogram", len(tasks) * n))
     out = {"histogram": histogram(*_counts(groups), n),
            "histogram_s": time.perf_counter() - t0, "histogram_load": load_note()}
-    out["prefix"] = await prefix_rates(agent, groups, tasks, rng, prefix_rollouts)
+    if prefix_rollouts:
+        out["prefix"] = await prefix_rates(agent, groups, tasks, rng, prefix_rollouts)
     out["groups"] = groups
     return out
 

@@ -17,15 +17,17 @@ fires names it:
   wrong_location    a str_replace of text that is no bug's line, or whose old_str is
                     not in the file and resembles no bug line
   wrong_fix         a str_replace of a bug's line whose replacement is not the fix
-  (replace_lines, difficulty 4: a range that misses the bug's line is wrong_location;
+  (replace_lines, difficulty 4: a single line that is not the bug's is wrong_location;
   on it, another operator is wrong_fix, any other text near the fix a copy_slip)
+  range_slip        a replace_lines whose range is not one line of the file (start > end,
+                    past the end, or several lines where the expert always names one)
   premature_finish  (after the turns) the episode finished with a bug left unfixed
   over_budget       (after the turns) it ran out of steps, tokens or time with a bug
                     left unfixed
   other             every bug fixed and still failing (an edit broke something else)
 
 The decisions are wrong_location, wrong_fix, premature_finish and over_budget; the slips
-are copy_slip and malformed_call. Prints and writes one JSON object.
+are copy_slip, range_slip and malformed_call. Prints and writes one JSON object.
 """
 
 from __future__ import annotations
@@ -42,10 +44,10 @@ import numpy as np
 
 from bench import seed_claims as sc
 
-CLASSES = ("malformed_call", "copy_slip", "wrong_location", "wrong_fix", "premature_finish",
-           "over_budget", "other")
+CLASSES = ("malformed_call", "copy_slip", "range_slip", "wrong_location", "wrong_fix",
+           "premature_finish", "over_budget", "other")
 DECISIONS = ("wrong_location", "wrong_fix", "premature_finish", "over_budget")
-SLIPS = ("malformed_call", "copy_slip")
+SLIPS = ("malformed_call", "copy_slip", "range_slip")
 NEAR = 0.6  # difflib ratio of a missed old_str to a bug line that counts as a copy slip
 MALFORMED = ("tool call", "JSON", "argument", "unknown tool")
 
@@ -93,9 +95,10 @@ def _lines_class(args: dict, observation: str, bugs: Sequence[dict], fixed: set[
                  ) -> str | None:
     """The class of one replace_lines (a bug's place is its recorded line)."""
     span = args.get("line_range") or [0, 0]
-    hit = [i for i, b in enumerate(bugs) if i not in fixed and b.get("line")
-           and span[0] <= b["line"] <= span[-1]]
-    if observation.startswith("ERROR") or not hit:
+    if observation.startswith("ERROR") or len(span) != 2 or span[0] != span[1]:
+        return "range_slip"
+    hit = [i for i, b in enumerate(bugs) if i not in fixed and b.get("line") == span[0]]
+    if not hit:
         return "wrong_location"
     bug, new = bugs[hit[0]], _lines(args.get("new_str", ""))
     if bug["fixed"] in new:

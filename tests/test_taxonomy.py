@@ -80,6 +80,9 @@ def test_a_line_edit_is_placed_by_its_range_and_judged_by_its_operator():
     assert tx.classify(_turns(calls), "finished", bugs) == "other"
     assert tx.classify(_turns(with_edit(line_range=[bug["line"] - 1] * 2)), "finished",
                        bugs) == "wrong_location"
+    for span in ([bug["line"] + 4, bug["line"]], [bug["line"], bug["line"] + 1]):
+        assert tx.classify(_turns(with_edit(line_range=span)), "finished",
+                           bugs) == "range_slip", span
     wrong = bug["fixed"].replace(bug["fixed"].split()[2], bug["wrong_fixes"][0].split()[2])
     assert tx.classify(_turns(with_edit(new_str="    " + wrong)), "finished",
                        bugs) == "wrong_fix"
