@@ -36,9 +36,14 @@ from bench import taxonomy as tx
 
 ROOT = os.path.join(ex.ROOT, "runs", "decision")
 WARM = "configs/default.py:decide,seed={seed}"
+# The registered GRPO arm is the default's learning rate (5e-5); "grpo_lr2e4" is the second
+# try (2e-4: the highest rate the retired gate's tries showed to move this model without
+# collapse), added after the first try's policy was seen not to move (ratio 1 +- 2e-5).
 ARMS = {"grpo": "configs/default.py:decide,baseline,seed={seed}",
+        "grpo_lr2e4": "configs/default.py:decide,baseline,seed={seed}",
         "lr0": "configs/default.py:decide,baseline,seed={seed}"}
-SETS = {"grpo": ["batch_tasks=8"], "lr0": ["batch_tasks=8", "learner.optim.lr=0.0"]}
+SETS = {"grpo": ["batch_tasks=8"], "grpo_lr2e4": ["batch_tasks=8", "learner.optim.lr=2e-4"],
+        "lr0": ["batch_tasks=8", "learner.optim.lr=0.0"]}
 CRITERIA = dict(seeds=2, steps=24, tasks_per_step=8, group_size=8, window=(13, 24),
                 min_diff=0.05, ci=0.95, n_boot=2000, difficulty=4)
 KEY = "rollout/fresh_pass_rate"
@@ -113,9 +118,9 @@ def measure(root: str, seed: int, prefix_rollouts: int = 8) -> dict:
     return out
 
 
-def run_all(root: str, seeds: Sequence[int], steps: int) -> None:
+def run_all(root: str, seeds: Sequence[int], steps: int, arms: Sequence[str]) -> None:
     for seed in seeds:
-        for arm in ARMS:
+        for arm in arms:
             ex.run_arm(root, arm, seed, steps, SETS[arm], ARMS, WARM)
 
 
@@ -134,13 +139,15 @@ def _load(path: str) -> dict:
         return json.load(f)
 
 
-def report(root: str, seeds: Sequence[int], name: str, note: str, out: str) -> dict:
-    """The try's record (appended to `out`'s "decision" tries) and the verdict."""
+def report(root: str, seeds: Sequence[int], name: str, note: str, out: str,
+           arm: str = "grpo") -> dict:
+    """The try's record (`arm` against lr0, appended to `out`'s "decision" tries) and the
+    verdict."""
     path = os.path.join(root, f"seed{seeds[0]}", "measure.json")
     warm = _load(path)
-    per_seed = [{"seed": s, **paired(_curve(root, s, "grpo"), _curve(root, s, "lr0"))}
+    per_seed = [{"seed": s, **paired(_curve(root, s, arm), _curve(root, s, "lr0"))}
                 for s in seeds]
-    record = {"try": name, "note": note, "sets": SETS, "seeds": list(seeds),
+    record = {"try": name, "note": note, "arm": arm, "sets": SETS[arm], "seeds": list(seeds),
               "per_seed": per_seed, "histogram": warm.get("histogram"),
               "prefix": {k: v for k, v in (warm.get("prefix") or {}).items()
                          if k not in ("rows",)}, "taxonomy": warm.get("taxonomy"),
@@ -165,6 +172,8 @@ def main(argv=None) -> dict | None:
     p.add_argument("--prefix-rollouts", type=int, default=8,
                    help="rollouts per prefix length (0: keep the table already measured)")
     p.add_argument("--try", dest="name", default="decide_sft256_t04")
+    p.add_argument("--arms", default="grpo,lr0", help="runs: the arms to run; report: "
+                   "the first is the GRPO arm of the try")
     p.add_argument("--note", default="")
     p.add_argument("--out", default=os.path.join(sc.RESULTS, "gate.json"))
     args = p.parse_args(argv)
@@ -176,10 +185,11 @@ def main(argv=None) -> dict | None:
     if args.stage == "measure":
         result = measure(args.root, args.seed, args.prefix_rollouts)
     elif args.stage == "runs":
-        run_all(args.root, seeds, args.steps)
+        run_all(args.root, seeds, args.steps, args.arms.split(","))
         return None
     else:
-        result = report(args.root, seeds, args.name, args.note, args.out)
+        result = report(args.root, seeds, args.name, args.note, args.out,
+                        args.arms.split(",")[0])
     print(json.dumps(result, indent=1))
     return result
 
