@@ -125,10 +125,10 @@ def slope(steps: Sequence[float], values: Sequence[float]) -> float:
 
 
 def first_fix_k(traj) -> int | None:
-    """Steps of `traj` through its first edit (a str_replace call), or None."""
+    """Steps of `traj` through its first edit (str_replace or replace_lines), or None."""
     for i, turn in enumerate(traj.turns):
         call = turn.tool_call or {}
-        if call.get("arguments", {}).get("command") == "str_replace":
+        if call.get("arguments", {}).get("command") in ("str_replace", "replace_lines"):
             return i + 1
     return None
 
@@ -179,19 +179,32 @@ def _counts(groups) -> tuple[list[int], list[int]]:
 
 
 async def measure_warm_start(agent, train_tasks, rng: np.random.Generator,
-                             prefix_rollouts: int = 8) -> dict:
-    """The histogram of 64 difficulty-3 training tasks x 8, then prefix rollouts of every
-    length for up to 24 of the too-hard ones (one own success each as the source)."""
-    from rl.prefix import make_prefix_task, select_source
+                             prefix_rollouts: int = 8, difficulty: int = 3) -> dict:
+    """The histogram of 64 training tasks of `difficulty` x 8, then prefix rollouts of
+    every length for up to 24 of the too-hard ones (one own success each as the source).
+    The histogram's rollouts are kept under "groups" (not JSON: pop it before writing)."""
     from rl.rollout import RolloutJob, collect_groups
 
     n = GATE["hist_rollouts"]
-    tasks = [t for t in train_tasks if t.difficulty == 3][:GATE["hist_tasks"]]
+    tasks = [t for t in train_tasks if t.difficulty == difficulty][:GATE["hist_tasks"]]
     t0 = time.perf_counter()
     groups = await collect_groups(agent, [RolloutJob(t, seed=i) for i, t in enumerate(tasks)], n,
                                   _progress("histogram", len(tasks) * n))
     out = {"histogram": histogram(*_counts(groups), n),
            "histogram_s": time.perf_counter() - t0, "histogram_load": load_note()}
+    if prefix_rollouts:
+        out["prefix"] = await prefix_rates(agent, groups, tasks, rng, prefix_rollouts)
+    out["groups"] = groups
+    return out
+
+
+async def prefix_rates(agent, groups, tasks, rng: np.random.Generator,
+                       prefix_rollouts: int) -> dict:
+    """The prefix table: up to 24 too-hard tasks of `groups`, each replayed from one of
+    its own successes for every length, `prefix_rollouts` rollouts per length."""
+    from rl.prefix import make_prefix_task, select_source
+    from rl.rollout import RolloutJob, collect_groups
+
     hard = [g for g, (s, m) in zip(groups, zip(*_counts(groups), strict=True), strict=True)
             if m and 0 < s / m < GATE["prefix_low"]][:GATE["prefix_tasks"]]
     sources = [select_source(g, "too_hard", rng) for g in hard]
@@ -209,16 +222,14 @@ async def measure_warm_start(agent, train_tasks, rng: np.random.Generator,
     succ, scored_n = _counts(pgroups)
     rows = [(total, k, s, m) for (total, k, _), s, m in zip(meta, succ, scored_n, strict=True)]
     fix = [(s, m) for (_, _, is_fix), s, m in zip(meta, succ, scored_n, strict=True) if is_fix]
-    out["prefix"] = {**prefix_table(rows), "tasks": len(sources),
-                     "rollouts_per_length": prefix_rollouts,
-                     "source_steps": [s.num_steps for s in sources],
-                     "through_first_fix": {"pass_rate": (sum(s for s, _ in fix) / max(
-                         1, sum(m for _, m in fix))), "rollouts": sum(m for _, m in fix)},
-                     "seconds": time.perf_counter() - t0, "load": load_note()}
-    best = out["prefix"]["best_steps_left"]
-    if best is not None:
-        out["prefix"]["ps_remaining_ratio"] = remaining_ratio_for(best, out["prefix"][
-            "source_steps"])
+    out = {**prefix_table(rows), "tasks": len(sources), "rollouts_per_length": prefix_rollouts,
+           "source_steps": [s.num_steps for s in sources],
+           "through_first_fix": {"pass_rate": (sum(s for s, _ in fix) / max(
+               1, sum(m for _, m in fix))), "rollouts": sum(m for _, m in fix)},
+           "seconds": time.perf_counter() - t0, "load": load_note()}
+    if out["best_steps_left"] is not None:
+        out["ps_remaining_ratio"] = remaining_ratio_for(out["best_steps_left"],
+                                                        out["source_steps"])
     return out
 
 
@@ -246,8 +257,10 @@ def warm_start_gate(root: str, seed: int, sets: Sequence[str], prefix_rollouts: 
     config = common.apply_overrides(config, common.parse_overrides(sets))
     agent, train_tasks = load_agent(config, workdir)
     try:
-        return asyncio.run(measure_warm_start(agent, train_tasks,
-                                              np.random.default_rng([seed, 7]), prefix_rollouts))
+        out = asyncio.run(measure_warm_start(agent, train_tasks,
+                                             np.random.default_rng([seed, 7]), prefix_rollouts))
+        out.pop("groups")
+        return out
     finally:
         agent.close()
         agent.engine.close()

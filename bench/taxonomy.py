@@ -17,13 +17,17 @@ fires names it:
   wrong_location    a str_replace of text that is no bug's line, or whose old_str is
                     not in the file and resembles no bug line
   wrong_fix         a str_replace of a bug's line whose replacement is not the fix
+  (replace_lines, difficulty 4: a single line that is not the bug's is wrong_location;
+  on it, another operator is wrong_fix, any other text near the fix a copy_slip)
+  range_slip        a replace_lines whose range is not one line of the file (start > end,
+                    past the end, or several lines where the expert always names one)
   premature_finish  (after the turns) the episode finished with a bug left unfixed
   over_budget       (after the turns) it ran out of steps, tokens or time with a bug
                     left unfixed
   other             every bug fixed and still failing (an edit broke something else)
 
 The decisions are wrong_location, wrong_fix, premature_finish and over_budget; the slips
-are copy_slip and malformed_call. Prints and writes one JSON object.
+are copy_slip, range_slip and malformed_call. Prints and writes one JSON object.
 """
 
 from __future__ import annotations
@@ -40,10 +44,10 @@ import numpy as np
 
 from bench import seed_claims as sc
 
-CLASSES = ("malformed_call", "copy_slip", "wrong_location", "wrong_fix", "premature_finish",
-           "over_budget", "other")
+CLASSES = ("malformed_call", "copy_slip", "range_slip", "wrong_location", "wrong_fix",
+           "premature_finish", "over_budget", "other")
 DECISIONS = ("wrong_location", "wrong_fix", "premature_finish", "over_budget")
-SLIPS = ("malformed_call", "copy_slip")
+SLIPS = ("malformed_call", "copy_slip", "range_slip")
 NEAR = 0.6  # difflib ratio of a missed old_str to a bug line that counts as a copy slip
 MALFORMED = ("tool call", "JSON", "argument", "unknown tool")
 
@@ -51,7 +55,7 @@ MALFORMED = ("tool call", "JSON", "argument", "unknown tool")
 def _edit(call: dict | None) -> dict | None:
     args = (call or {}).get("arguments")
     if (call or {}).get("name") == "file_editor" and isinstance(args, dict) \
-            and args.get("command") == "str_replace":
+            and args.get("command") in ("str_replace", "replace_lines"):
         return args
     return None
 
@@ -62,7 +66,9 @@ def _lines(text: object) -> list[str]:
 
 def _edit_class(args: dict, observation: str, bugs: Sequence[dict], fixed: set[int]
                 ) -> str | None:
-    """The class of one str_replace, or None when it fixed a bug (added to `fixed`)."""
+    """The class of one edit, or None when it fixed a bug (added to `fixed`)."""
+    if args.get("command") == "replace_lines":
+        return _lines_class(args, observation, bugs, fixed)
     old, new = _lines(args.get("old_str", "")), _lines(args.get("new_str", ""))
     if observation.startswith("ERROR"):
         near = max((difflib.SequenceMatcher(None, line, b["buggy"]).ratio()
@@ -76,6 +82,35 @@ def _edit_class(args: dict, observation: str, bugs: Sequence[dict], fixed: set[i
         return "wrong_fix"
     fixed.add(i)
     return None
+
+
+def _differing(a: str, b: str) -> list[int] | None:
+    """Positions of the words in which two lines differ (None: different word counts)."""
+    x, y = a.split(), b.split()
+    return [j for j, (u, v) in enumerate(zip(x, y, strict=True)) if u != v] \
+        if len(x) == len(y) else None
+
+
+def _lines_class(args: dict, observation: str, bugs: Sequence[dict], fixed: set[int]
+                 ) -> str | None:
+    """The class of one replace_lines (a bug's place is its recorded line)."""
+    span = args.get("line_range") or [0, 0]
+    if observation.startswith("ERROR") or len(span) != 2 or span[0] != span[1]:
+        return "range_slip"
+    hit = [i for i, b in enumerate(bugs) if i not in fixed and b.get("line") == span[0]]
+    if not hit:
+        return "wrong_location"
+    bug, new = bugs[hit[0]], _lines(args.get("new_str", ""))
+    if bug["fixed"] in new:
+        fixed.add(hit[0])
+        return None
+    site = _differing(bug["buggy"], bug["fixed"])
+    other_operator = any(_differing(line, bug["fixed"]) == site for line in new)
+    if other_operator:
+        return "wrong_fix"
+    near = max((difflib.SequenceMatcher(None, line, bug["fixed"]).ratio() for line in new),
+               default=0.0)
+    return "copy_slip" if near >= NEAR else "wrong_fix"
 
 
 def classify(turns: Sequence, status: str, bugs: Sequence[dict]) -> str:
@@ -98,7 +133,8 @@ def first_mistake(turns: Sequence, status: str, bugs: Sequence[dict]) -> tuple[s
         if args is not None:
             kind = _edit_class(args, obs, bugs, fixed)
             if kind is not None:
-                return kind, json.dumps({k: args.get(k) for k in ("old_str", "new_str")})[:240]
+                return kind, json.dumps({k: args.get(k) for k in
+                                         ("old_str", "line_range", "new_str")})[:240]
     if len(fixed) == len(bugs):
         return "other", ""
     return ("premature_finish" if status == "finished" else "over_budget"), ""

@@ -386,7 +386,7 @@ RANGES: dict[str, str] = {
     "engine.sglang.max_retries": "[0, inf)", "engine.sglang.health_timeout_s": "(0, inf)",
     "engine.sglang.host_gpus": "[0, inf)", "engine.sglang.context_length": "[0, inf)",
     "engine.sglang.export_keep": "[1, inf)",
-    "env.train_tasks": "[0, inf)", "env.eval_tasks": "[0, inf)", "env.difficulties": "[0, 3]",
+    "env.train_tasks": "[0, inf)", "env.eval_tasks": "[0, inf)", "env.difficulties": "[0, 4]",
     "env.task_seed": "[0, inf)", "env.eval_seed": "[0, inf)", "env.max_concurrent": "[1, inf)",
     "env.docker_slots": "[0, inf)", "env.latency.median_s": "[0, inf)",
     "env.latency.sigma": "[0, inf)", "env.latency.slow_share": "[0, 1]",

@@ -15,7 +15,9 @@ adaptive (adaptive prefix controller), server (sample through a launched
 `inference.server` over SGLang's protocol, as on a GPU pod), seed=N, steps=N,
 graded (the graded task family: two-bug tasks mixed with one-bug ones, a warm start on
 correct demonstrations only; see `graded` below), revisit (the Prefix Sampling control:
-skewed tasks re-run from the start instead of from a prefix).
+skewed tasks re-run from the start instead of from a prefix), decide (the decision
+family: the operator of a one-line function read from the expected value, the line edited
+by number; see `decide` below).
 """
 
 import os
@@ -25,7 +27,7 @@ import ml_collections
 from configs import common
 
 OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, server=False, seed=0,
-               steps=0, graded=False, revisit=False)
+               steps=0, graded=False, revisit=False, decide=False)
 # The project's SGLang-protocol server on its CPU engine, launched like SGLang; it imports
 # this repository, which a launched server has off its sys.path unless its env says so.
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,6 +132,8 @@ def get_config(arg=None):
 
     if arg.graded:
         graded(c)
+    if arg.decide:
+        decide(c)
     if arg.revisit:
         c.ps.revisit = True
     if arg.spo:
@@ -186,3 +190,14 @@ def graded(c) -> None:
     # A 7-step success replayed for 3 steps (through the first fix): floor(7 * 0.6) = 4
     # steps left to the policy.
     c.ps.remaining_ratio = 0.6
+
+
+# The decision family (mini-SWE difficulty 4): four one-line functions whose names say
+# nothing of what they compute, operators drawn per task, one of them wrong. The fix is
+# a decision, which operator gives the statement's expected value, written with
+# replace_lines by the line's number (lines repeat, so there is no unique text to copy).
+# Correct demonstrations only; rollouts at T=0.4, as the graded family's warm start.
+def decide(c) -> None:
+    c.env.difficulties = (4,)
+    c.sft.imperfect_share = 0.0
+    c.rollout.temperature = 0.4

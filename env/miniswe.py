@@ -9,6 +9,9 @@ difficulty:
   1  the statement names a caller function, the bug is in the helper it calls;
   2  the statement only says tests fail: run them to find the bug;
   3  two coupled bugs, in a caller function and in the helper it calls.
+  4  one operator bug in a module of functions whose names say nothing of what they
+     compute (`beta(a, b)`, operators drawn per task, so lines repeat): which operator
+     is right must be read from the expected value, and the line by its number.
 
 Tests are generated so that every planted bug, alone, fails at least one test and
 the fixed repo passes all (checked by executing both versions of the code at
@@ -104,6 +107,7 @@ class Bug:
     buggy: str
     fixed: str
     wrong_fixes: tuple[str, ...]
+    line: int = 0  # 1-based line of the bug in `path` (difficulty 4; 0: unrecorded)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -359,19 +363,76 @@ def _statement(difficulty: int, bugs: list[Bug], named: Fn | None, repo: _Repo, 
     return text + " There are two mistakes, in different files. Fix both."
 
 
+# ---- difficulty 4: the operator is a decision ----------------------------------------------
+
+NEUTRAL = ("alpha", "beta", "gamma", "delta", "kappa", "sigma")
+OPS = ("+", "-", "*")
+
+
+def _neutral_fns(rng: random.Random) -> list[Fn]:
+    """Four functions `name(a, b): return a OP b`, each with its own correct operator
+    (first) and the others as the bug's options."""
+    fns = []
+    for name in sorted(rng.sample(NEUTRAL, 4)):
+        ops = rng.sample(OPS, len(OPS))
+        fns.append(_fn(name, "a:i, b:i", f"return a «{'|'.join(ops)}» b"))
+    return fns
+
+
+def _one_operator(args: tuple, want: Any) -> bool:
+    """Whether exactly one operator of OPS gives `want` for `args`."""
+    return sum(eval(f"{args[0]} {op} {args[1]}") == want for op in OPS) == 1  # noqa: S307
+
+
+def _generate_decide(rng: random.Random, instance_id: str) -> Task | None:
+    fns = _neutral_fns(rng)
+    target = rng.choice(fns)
+    buggy = {target.name: rng.randint(1, len(OPS) - 1)}
+    correct_ns, buggy_ns = _namespace(fns, {}), _namespace(fns, buggy)
+    cases = {f.name: _sample_cases(f, rng) for f in fns}
+    expected = {f.name: [_call(correct_ns, f.name, a) for a in cases[f.name]] for f in fns}
+    shown = [(a, w) for a, w in zip(cases[target.name], expected[target.name], strict=True)
+             if _call(buggy_ns, target.name, a) != w and _one_operator(a, w)]
+    if not shown:
+        return None
+    files = {".gitignore": GITIGNORE, "ops.py": _render_module(fns, buggy),
+             "test_ops.py": _render_test("ops", fns, cases, expected)}
+    line = files["ops.py"].split("\n").index(f"def {target.name}(a, b):") + 2
+    text = target.lines[0]
+    fixed, wrong = _choose_site(text, 0), _choose_site(text, buggy[target.name])
+    bug = Bug("ops.py", target.name, wrong, fixed, tuple(
+        _choose_site(text, i) for i in range(1, len(OPS)) if i != buggy[target.name]), line)
+    args, want = shown[0]
+    call = f"{target.name}({', '.join(repr(a) for a in args)})"
+    test_ids = [f"test_ops.TestOps.test_{f.name}" for f in fns]
+    return Task(
+        instance_id=instance_id,
+        problem_statement=(f"In ops.py, {call} {_describe(_call(buggy_ns, target.name, args))}"
+                           f" but it should return {want!r}. Fix the bug in ops.py."),
+        FAIL_TO_PASS=[t for t in test_ids if t.endswith(f".test_{target.name}")],
+        PASS_TO_PASS=[t for t in test_ids if not t.endswith(f".test_{target.name}")],
+        test_command=GRADE_RUN + " {tests}", log_parser="unittest", repo="miniswe/ops",
+        repo_files=files, gold_patch=unified_diff("ops.py", files["ops.py"],
+                                                  _render_module(fns, {})),
+        test_files=["test_ops.py"], split="miniswe", difficulty=4,
+        metadata={"bugs": [dataclasses.asdict(bug)], "named": "", "named_path": ""})
+
+
 def generate_tasks(n: int, seed: int = 0, difficulties: tuple[int, ...] = (0, 1, 2, 3)
                    ) -> list[Task]:
     """`n` tasks, difficulty cycling through `difficulties`; deterministic in `seed`."""
-    bad = [d for d in difficulties if d not in (0, 1, 2, 3)]
+    bad = [d for d in difficulties if d not in (0, 1, 2, 3, 4)]
     if bad or not difficulties:
-        raise ValueError(f"difficulties must be a non-empty subset of 0..3, got {difficulties}")
+        raise ValueError(f"difficulties must be a non-empty subset of 0..4, got {difficulties}")
     tasks = []
     for i in range(n):
         difficulty = difficulties[i % len(difficulties)]
         rng = random.Random(f"miniswe/{seed}/{i}")
         task = None
         while task is None:
-            task = _generate_one(rng, difficulty, f"miniswe-{seed}-{i:05d}-d{difficulty}")
+            name = f"miniswe-{seed}-{i:05d}-d{difficulty}"
+            task = (_generate_decide(rng, name) if difficulty == 4
+                    else _generate_one(rng, difficulty, name))
         tasks.append(task)
     return tasks
 
@@ -391,6 +452,12 @@ def _replace(path: str, old: str, new: str) -> dict[str, Any]:
 
 def _bash(command: str) -> dict[str, Any]:
     return {"name": "execute_bash", "arguments": {"command": command}}
+
+
+def _replace_lines(path: str, line: int, new: str) -> dict[str, Any]:
+    return {"name": "file_editor",
+            "arguments": {"command": "replace_lines", "path": path, "line_range": [line, line],
+                          "new_str": new}}
 
 
 def _search(term: str) -> dict[str, Any]:
@@ -425,7 +492,8 @@ def expert_demo(task: Task, imperfect: bool = False, rng: random.Random | None =
         new = rng.choice(bug.wrong_fixes) if (mistake == "wrong_edit" and j == 0) else bug.fixed
         if j:
             calls.append(_view(bug.path))
-        calls.append(_replace(bug.path, bug.buggy, new))
+        calls.append(_replace_lines(bug.path, bug.line, "    " + new) if bug.line
+                     else _replace(bug.path, bug.buggy, new))
     return Demo(calls + [_bash(TEST_RUN), FINISH], correct=not mistake, mistake=mistake)
 
 
@@ -433,7 +501,7 @@ def _locate(task: Task, bugs: list[Bug]) -> list[dict[str, Any]]:
     """The exploration steps before the first edit, by difficulty."""
     first = bugs[0]
     named_path = task.metadata["named_path"]
-    if task.difficulty == 0:
+    if task.difficulty in (0, 4):
         return [_view(first.path)]
     if task.difficulty == 1:
         return [_view(named_path), _search(f"def {first.function}"), _view(first.path)]

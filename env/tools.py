@@ -54,20 +54,28 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
                 "view_range [start, end], end -1 for the last line) or a directory listing. "
                 "create: a new file with file_text. str_replace: replace old_str, which must "
                 "occur exactly once, by new_str. insert: insert new_str after line "
-                "insert_line (0 for the top). undo_edit: revert the last edit of path."
+                "insert_line (0 for the top). replace_lines: replace lines line_range "
+                "[start, end] (1-based, inclusive) by new_str. undo_edit: revert the last "
+                "edit of path."
             ),
             "parameters": {
                 "type": "object",
                 "properties": {
                     "command": {
                         "type": "string",
-                        "enum": ["view", "create", "str_replace", "insert", "undo_edit"],
+                        "enum": ["view", "create", "str_replace", "insert", "replace_lines",
+                                 "undo_edit"],
                     },
                     "path": {"type": "string", "description": "File or directory path."},
                     "file_text": {"type": "string", "description": "Content for create."},
                     "old_str": {"type": "string", "description": "Exact text to replace."},
                     "new_str": {"type": "string", "description": "Replacement or inserted text."},
                     "insert_line": {"type": "integer", "description": "Insert after this line."},
+                    "line_range": {
+                        "type": "array",
+                        "items": {"type": "integer"},
+                        "description": "[start, end] lines to replace, 1-based, inclusive.",
+                    },
                     "view_range": {
                         "type": "array",
                         "items": {"type": "integer"},
@@ -115,6 +123,7 @@ _EDITOR_REQUIRED = {
     "create": ("file_text",),
     "str_replace": ("old_str",),
     "insert": ("insert_line", "new_str"),
+    "replace_lines": ("line_range", "new_str"),
     "undo_edit": (),
 }
 _TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -396,13 +405,18 @@ class ToolBox:
 
     def _file_editor(self, command: str, path: str, file_text: str | None = None,
                      old_str: str | None = None, new_str: str | None = None,
-                     insert_line: int | None = None,
-                     view_range: list[int] | None = None) -> ToolResult:
+                     insert_line: int | None = None, view_range: list[int] | None = None,
+                     line_range: list[int] | None = None) -> ToolResult:
         rel = self.resolve(path)
+        if line_range is not None and command != "replace_lines":
+            raise ToolCallError(
+                "ERROR: line_range is only allowed with the replace_lines command.")
         if command == "view":
             return self._view(rel, view_range)
         if view_range is not None:
             raise ToolCallError("ERROR: view_range is only allowed with the view command.")
+        if command == "replace_lines":
+            return self._replace_lines(rel, line_range, new_str)
         if command == "create":
             return self._create(rel, file_text)
         if command == "str_replace":
@@ -481,6 +495,26 @@ class ToolBox:
         new_text = "\n".join(lines) + ("\n" if trailing or not lines else "")
         self._write(rel, text, new_text)
         return self._edited(rel, new_text, insert_line + 1, insert_line + max(len(added), 1))
+
+    def _replace_lines(self, rel: str, line_range: list[int], new_str: str) -> ToolResult:
+        """SWE-agent's `edit START:END`: the lines replaced by new_str, whatever they held
+        (no text to copy, so the edit names its place by number)."""
+        text = self._read(rel, for_edit=True)
+        lines = text.split("\n")
+        trailing = lines[-1] == ""
+        if trailing:
+            lines.pop()
+        if len(line_range) != 2 or not 1 <= line_range[0] <= line_range[1] <= len(lines):
+            raise ToolCallError(f"ERROR: invalid line_range {line_range}; {rel} has "
+                                f"{len(lines)} lines (1-based [start, end]). No change made.")
+        start, end = line_range
+        added = new_str.split("\n")
+        if added[-1] == "" and len(added) > 1:
+            added.pop()
+        lines[start - 1:end] = added
+        new_text = "\n".join(lines) + ("\n" if trailing else "")
+        self._write(rel, text, new_text)
+        return self._edited(rel, new_text, start, start + len(added) - 1)
 
     def _undo(self, rel: str) -> ToolResult:
         stack = self._history.get(rel)

@@ -9,6 +9,7 @@ whole set: `python -m bench.miniswe`).
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -67,7 +68,7 @@ def test_generation_is_deterministic_and_tiny():
         assert t.gold_patch.startswith("diff --git ")
         assert t.FAIL_TO_PASS and set(t.FAIL_TO_PASS).isdisjoint(t.PASS_TO_PASS)
     with pytest.raises(ValueError, match="difficulties"):
-        generate_tasks(1, 0, difficulties=(4,))
+        generate_tasks(1, 0, difficulties=(5,))
 
 
 def test_grading_reads_each_test_as_the_host_runs_it(tmp_path):
@@ -107,6 +108,37 @@ def test_test_lists_match_the_host_python(tmp_path):
         assert sorted(k for k, ok in before.items() if ok) == sorted(t.PASS_TO_PASS)
         after = host_outcomes(t.repo_files, t.gold_patch, tmp_path)
         assert all(after.values()) and set(after) == set(t.tests)
+
+
+def test_difficulty_4_the_operator_is_read_from_the_expected_value(tmp_path):
+    """Operators drawn per task under names that say nothing: the statement's case is
+    met by exactly one operator (computed here by the host), the bug's recorded line is
+    the file's, the lists match the host's run, and the expert edits that line by
+    number (lines repeat, so str_replace could not name it)."""
+    tasks = generate_tasks(24, seed=3, difficulties=(4,))
+    assert [t.repo_files for t in tasks] == [
+        t.repo_files for t in generate_tasks(24, seed=3, difficulties=(4,))]
+    repeated = 0
+    for t in tasks:
+        (bug,) = t.metadata["bugs"]
+        lines = t.repo_files["ops.py"].split("\n")
+        assert lines[bug["line"] - 1].strip() == bug["buggy"] != bug["fixed"]
+        repeated += lines.count("    " + bug["buggy"]) > 1
+        call, want = re.fullmatch(r"In ops\.py, (\w+\(\d, \d\)) returns -?\d+ but it "
+                                  r"should return (-?\d+)\. Fix the bug in ops\.py\.",
+                                  t.problem_statement).groups()
+        a, b = map(int, re.findall(r"\d", call))
+        assert [op for op in "+-*" if eval(f"{a} {op} {b}") == int(want)] == [
+            bug["fixed"].split()[2]]
+        before = host_outcomes(t.repo_files, "", tmp_path)
+        assert sorted(k for k, ok in before.items() if not ok) == sorted(t.FAIL_TO_PASS)
+        assert all(host_outcomes(t.repo_files, t.gold_patch, tmp_path).values())
+        edit = expert_demo(t).calls[1]["arguments"]
+        assert edit == {"command": "replace_lines", "path": "ops.py",
+                        "line_range": [bug["line"]] * 2, "new_str": "    " + bug["fixed"]}
+    assert repeated >= 6  # a buggy line that is not unique in its file is common
+    assert {t.metadata["bugs"][0]["fixed"] for t in tasks} == {
+        f"return a {op} b" for op in "+-*"}
 
 
 def test_expert_text_and_imperfect_demos():
@@ -181,3 +213,12 @@ def test_sampled_tasks_gold_untouched_and_expert(request, backend):
         "wrong_edit", "finish_early", "half_fix"}
     problems = sweep(factory, tasks, sample, imperfect.__contains__)
     assert not problems, problems[:5]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_difficulty_4_gold_untouched_and_expert(request, backend):
+    """Difficulty 4 through real sandboxes: untouched -> 0, expert (replace_lines) -> 1,
+    gold -> 1, an imperfect demo -> 0."""
+    tasks = generate_tasks(6, seed=2024, difficulties=(4,))
+    problems = sweep(backend_factory(request, backend), tasks, range(6), {0, 3}.__contains__)
+    assert not problems, problems

@@ -10,7 +10,8 @@ from env.miniswe import expert_demo, generate_tasks
 from env.tools import ToolCallError, validate_call
 from rl.types import Turn
 
-TASKS = generate_tasks(12, seed=5, difficulties=(1, 3))
+TASKS = generate_tasks(12, seed=5, difficulties=(1, 3)) + generate_tasks(4, seed=5,
+                                                                        difficulties=(4,))
 
 
 def _turns(calls, errors=()):
@@ -65,6 +66,32 @@ def test_a_missed_old_str_is_a_slip_near_the_bug_line_and_a_wrong_place_elsewher
     no_call = _turns(calls)
     no_call[at].tool_call = None
     assert tx.classify(no_call, "finished", bugs) == "malformed_call"
+
+
+def test_a_line_edit_is_placed_by_its_range_and_judged_by_its_operator():
+    task = next(t for t in TASKS if t.difficulty == 4)
+    (bug,) = bugs = task.metadata["bugs"]
+    calls = _demo(task, "").calls
+    edit = calls[1]
+
+    def with_edit(**changes):
+        return [calls[0], {**edit, "arguments": {**edit["arguments"], **changes}}, calls[-1]]
+
+    assert tx.classify(_turns(calls), "finished", bugs) == "other"
+    assert tx.classify(_turns(with_edit(line_range=[bug["line"] - 1] * 2)), "finished",
+                       bugs) == "wrong_location"
+    for span in ([bug["line"] + 4, bug["line"]], [bug["line"], bug["line"] + 1]):
+        assert tx.classify(_turns(with_edit(line_range=span)), "finished",
+                           bugs) == "range_slip", span
+    wrong = bug["fixed"].replace(bug["fixed"].split()[2], bug["wrong_fixes"][0].split()[2])
+    assert tx.classify(_turns(with_edit(new_str="    " + wrong)), "finished",
+                       bugs) == "wrong_fix"
+    divided = "    " + " ".join(w if j != 2 else "/" for j, w in enumerate(bug["fixed"].split()))
+    assert tx.classify(_turns(with_edit(new_str=divided)), "finished", bugs) == "wrong_fix"
+    slipped = "    " + bug["fixed"].replace(" b", " bb")
+    assert tx.classify(_turns(with_edit(new_str=slipped)), "finished", bugs) == "copy_slip"
+    assert tx.classify(_turns(with_edit(new_str="    pass  # nothing to see")), "finished",
+                       bugs) == "wrong_fix"
 
 
 def test_the_table_counts_decisions_and_slips():

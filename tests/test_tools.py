@@ -209,6 +209,32 @@ def test_str_replace_requires_a_unique_match(tools):
     assert tools.sandbox.read_file("calc.py") == FILES["calc.py"].replace("a - b", "a + b", 1)
 
 
+def test_replace_lines_names_its_place_by_number(tools):
+    """SWE-agent's `edit START:END`: the lines are replaced whatever they hold (the two
+    `return a - b` lines that str_replace cannot tell apart), checked against list
+    slicing of the file's lines."""
+    edit = lambda **kw: run(tools, "file_editor", command="replace_lines", path="calc.py", **kw)
+    result = edit(line_range=[6, 6], new_str="    return a + b")
+    lines = FILES["calc.py"].split("\n")
+    lines[5:6] = ["    return a + b"]
+    assert result.changed and tools.sandbox.read_file("calc.py") == "\n".join(lines)
+    assert "     6\t    return a + b" in result.observation
+    edit(line_range=[1, 2], new_str="def add(a, b):\n    c = a + b\n    return c\n")
+    lines[0:2] = ["def add(a, b):", "    c = a + b", "    return c"]
+    assert tools.sandbox.read_file("calc.py") == "\n".join(lines)
+    for bad in ([0, 1], [3, 2], [8, 8], [1]):
+        assert edit(line_range=bad, new_str="x").observation.startswith(
+            f"ERROR: invalid line_range {bad}; calc.py has 7 lines"), bad
+    assert tools.sandbox.read_file("calc.py") == "\n".join(lines)
+    assert "only allowed with the replace_lines" in run(
+        tools, "file_editor", command="view", path="calc.py", line_range=[1, 1]).observation
+    assert "needs the argument 'line_range'" in run(
+        tools, "file_editor", command="replace_lines", path="calc.py", new_str="x").observation
+    run(tools, "file_editor", command="undo_edit", path="calc.py")
+    run(tools, "file_editor", command="undo_edit", path="calc.py")
+    assert tools.sandbox.read_file("calc.py") == FILES["calc.py"]
+
+
 def test_insert_create_and_undo(tools):
     edit = lambda **kw: run(tools, "file_editor", **kw).observation
     edit(command="insert", path="notes.txt", insert_line=0, new_str="top")
