@@ -418,6 +418,17 @@ def test_close_kills_running_command_and_removes_everything(make):
         assert not os.path.exists(sb.root)
 
 
+def test_a_factory_refuses_an_unknown_keyword_when_made():
+    """A typo in a factory's defaults is refused at construction, naming the keyword and
+    the accepted ones, not at the first episode as an env error."""
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['limit'\]; LocalSandbox "
+                                        r"accepts \[.*'limits'"):
+        SandboxFactory("local", limit=LocalLimits())
+    with pytest.raises(TypeError, match=r"\['mem_limits'\]; DockerSandbox accepts \[.*'mem_limit'"):
+        SandboxFactory("docker", image=IMAGE, mem_limits="512m")
+    assert SandboxFactory("local", limits=LocalLimits(), read_only=()).defaults
+
+
 def test_local_scrubbed_environment(monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "hunter2")
     with SandboxFactory("local").create(repo_files=FILES) as sb:

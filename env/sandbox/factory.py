@@ -8,6 +8,7 @@ are bounded and closed by env.sandbox.pool.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import uuid
 from collections.abc import Mapping
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 BACKENDS = ("local", "docker")
 # Docker sandboxes carry {FACTORY_LABEL: factory.id}: close() removes what is left.
 FACTORY_LABEL = "swe-rl.factory"
+# The fleet's own keywords (the rest are its sandboxes' defaults).
+FLEET_KEYWORDS = ("probe_s", "timeout_s", "wait_s")
 
 
 def sandbox_spec(task: Task, backend: str) -> dict[str, Any]:
@@ -70,6 +73,7 @@ class SandboxFactory:
     def __init__(self, backend: str, **defaults: Any):
         if backend not in BACKENDS:
             raise ValueError(f"unknown sandbox backend {backend!r}; expected one of {BACKENDS}")
+        check_keywords(backend, defaults)
         self.backend, self.defaults = backend, defaults
         self.id = uuid.uuid4().hex[:12]
         self.labels = {FACTORY_LABEL: self.id}
@@ -97,13 +101,25 @@ class SandboxFactory:
             remove_containers(self.labels, self.defaults.get("client"))
 
 
+def check_keywords(backend: str, defaults: Mapping[str, Any]) -> None:
+    """Refuses, at construction, a default the backend's sandbox does not take (a typo
+    would otherwise fail at the first episode, as an env error)."""
+    sandbox = LocalSandbox if backend == "local" else DockerSandbox
+    accepted = sorted(p for p in inspect.signature(sandbox.__init__).parameters if p != "self")
+    unknown = sorted(set(defaults) - set(accepted))
+    if unknown:
+        raise TypeError(f"SandboxFactory({backend!r}) got unknown keyword(s) {unknown}; "
+                        f"{sandbox.__name__} accepts {accepted}")
+
+
 class FleetFactory(SandboxFactory):
     """task -> a new Docker sandbox holding the task's repository, on the engine of a
     fleet with the most free slots (env.sandbox.fleet); `close()` closes the fleet."""
 
     def __init__(self, hosts: list[str], slots_per_engine: int, **defaults: Any):
+        fleet_own = {k: defaults.pop(k) for k in FLEET_KEYWORDS if k in defaults}
         super().__init__("docker", **defaults)
-        self.fleet = DockerFleet(hosts, slots_per_engine, **defaults)
+        self.fleet = DockerFleet(hosts, slots_per_engine, **fleet_own, **defaults)
 
     def create(self, **spec: Any) -> Sandbox:
         return self.fleet.create(**spec)
