@@ -72,8 +72,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from env.paths import repo_relative
 from env.sandbox import base, cgroup, fsread, shell
-from env.sandbox.paths import repo_relative
 from env.sandbox.supervisor import TOOLCHAIN, Completed, RootView, Supervisor
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
