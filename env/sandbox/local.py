@@ -3,24 +3,26 @@
 Layout of one sandbox: `<tmp>/sandbox-XXXX/{repo,home,tmp}`; `repo` is a git checkout
 whose base commit `patch()` diffs against.
 
-Isolation: every command runs under the sandbox's supervisor (supervisor_main.py, one long-
-lived process per sandbox, forked with it; env.sandbox.supervisor talks to it), with the
-sandbox's own environment (PATH, HOME, TMPDIR, LANG: nothing of the trainer's) and
-rlimits (CPU seconds, address space, file size, processes). As root (required unless
+Isolation: every command runs under the sandbox's supervisor (supervisor_main.py, one
+long-lived process per sandbox, forked with it; env.sandbox.supervisor talks to it),
+with the sandbox's own environment (PATH, HOME, TMPDIR, LANG: nothing of the trainer's)
+and rlimits (CPU seconds, address space, file size, processes). As root (required unless
 `allow_unisolated`), each command runs as a uid of its own, drawn at random from a range
 no account uses and owning the sandbox directory, in the supervisor's mount, PID and
 network namespaces, with a root of its own: the sandbox directory, the host's toolchain
 (/usr and the links into it, `supervisor.TOOLCHAIN`) and any `read_only` paths, a few
 names of /etc (no accounts: a passwd of its own), a few devices; a link to any other
 host path (`ln -s /etc/passwd`) finds nothing. Every mount but the sandbox directory is
-read-only; /proc shows only the sandbox's processes (no trainer to read or signal), and
-the loopback is its own (no inference server to call). RLIMIT_NPROC is counted per uid
-and not enforced for root, so only a dedicated uid makes the process limit hold (a fork
-bomb stays bounded) without touching other users' count. The sandbox directory is a
-tmpfs of `disk_bytes`, which bounds everything it holds. The command text reaches bash
-through a memfd (see supervisor_main.py), so its length is not bounded by argv. Commands of
-one sandbox run one at a time. A supervisor that dies or stops answering is a
-SandboxError for that command and every later one.
+read-only, and every mount nosuid; commands run under no_new_privs (isolated or not), so
+a setuid program (su, passwd) runs with the command's uid; /proc shows only the
+sandbox's processes (no trainer to read or signal), and the loopback is its own (no
+inference server to call). RLIMIT_NPROC is counted per uid and not enforced for root, so
+only a dedicated uid makes the process limit hold (a fork bomb stays bounded) without
+touching other users' count. The sandbox directory is a tmpfs of `disk_bytes`, which
+bounds everything it holds. The command text reaches bash through a memfd (see
+supervisor_main.py), so its length is not bounded by argv. Commands of one sandbox run
+one at a time. A supervisor that dies or stops answering is a SandboxError for that
+command and every later one.
 
 Where isolation cannot be had (no root, no namespaces), the constructor raises
 IsolationUnavailable unless `allow_unisolated`: commands then run as the calling
