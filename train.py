@@ -377,7 +377,7 @@ class Run:
             # Versions each trajectory lags the policy the learner now updates.
             lags = np.array([agent.policy_version - t.versions[0] for t in trajs], np.float64)
             metrics.update(**rollout_metrics(trajs, groups), **lag_metrics(lags),
-                           **self.sandboxes.metrics())  # a fleet's engines
+                           **self.sandboxes.metrics())  # engines, sandboxes without a memory bound
             kept, advs, algo_metrics = algo.advantages(step, groups)
             metrics.update(algo_metrics, **{"train/trajectories": len(kept)})
             with timed(metrics, "time/learner_s"):

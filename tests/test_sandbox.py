@@ -488,6 +488,39 @@ def test_local_total_memory_bound_ends_a_command_not_the_sandbox(memory_cgroups)
     assert not os.path.exists(group)
 
 
+NO_CGROUP_SCRIPT = """
+import logging
+from env.sandbox import SandboxFactory
+logging.basicConfig(format="%(levelname)s %(message)s")
+factory = SandboxFactory("local")
+for _ in range(2):
+    with factory.create(repo_files={"a.py": "x = 1\\n"}) as sb:
+        assert sb.run("echo ok").output == "ok\\n"
+print(factory.metrics())
+print(factory.metrics())
+"""
+
+
+def test_local_without_a_memory_cgroup_warns_once_and_counts_it(isolated, memory_cgroups):
+    """An empty tmpfs over /sys/fs/cgroup (a mount namespace of the child's own): no memory
+    cgroup can be made, so both sandboxes run without a total bound; one warning says so
+    and the factory's metrics count them. Here, with cgroups, the count is 0."""
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs none {cgroup.CGROUP_ROOT} && exec {sys.executable} -c "
+         f"'{NO_CGROUP_SCRIPT}'"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["{'env/no_memory_cgroup': 2.0}",
+                                        "{'env/no_memory_cgroup': 0.0}"], done.stdout
+    warnings = [line for line in done.stderr.splitlines() if "no total memory bound" in line]
+    assert len(warnings) == 1 and "no memory cgroup can be made here" in warnings[0], \
+        done.stderr
+    factory = SandboxFactory("local")
+    with factory.create(repo_files=FILES) as sb:
+        assert sb._memory is not None
+    assert factory.metrics() == {"env/no_memory_cgroup": 0.0}
+
+
 def test_local_from_repo_dir_at_base_commit(tmp_path):
     src = tmp_path / "src"
     with SandboxFactory("local").create(repo_files=FILES) as first:

@@ -1,15 +1,16 @@
 """The one place sandboxes are made: a task (or a backend's own arguments) -> a new
 sandbox of the run's backend, on one engine or over a Docker fleet.
 
-Every factory has `metrics()` (scalars for the step's row: a fleet's engines) and
-`close()` (a fleet stops probing and removes its containers); the sandboxes themselves
-are bounded and closed by env.sandbox.pool.
+Every factory has `metrics()` (scalars for the step's row: a fleet's engines, local
+sandboxes without a memory cgroup) and `close()` (a fleet stops probing and removes its
+containers); the sandboxes themselves are bounded and closed by env.sandbox.pool.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -77,6 +78,8 @@ class SandboxFactory:
         self.backend, self.defaults = backend, defaults
         self.id = uuid.uuid4().hex[:12]
         self.labels = {FACTORY_LABEL: self.id}
+        self._no_memory_cgroup = 0  # local sandboxes made since metrics() without one
+        self._lock = threading.Lock()
 
     def __call__(self, source: Task | Mapping[str, Any] | None) -> Sandbox:
         spec = (sandbox_spec(source, self.backend) if isinstance(source, Task)
@@ -87,12 +90,21 @@ class SandboxFactory:
         """A sandbox from backend arguments: the defaults, overridden by `spec`."""
         kwargs = {**self.defaults, **spec}
         if self.backend == "local":
-            return LocalSandbox(**kwargs)
+            sandbox = LocalSandbox(**kwargs)
+            if sandbox.no_memory_cgroup:
+                with self._lock:
+                    self._no_memory_cgroup += 1
+            return sandbox
         return DockerSandbox(**{**kwargs, "labels": {**kwargs.get("labels", {}), **self.labels}})
 
     def metrics(self) -> dict[str, float]:
-        """Scalars for the step's metrics row (none on one engine)."""
-        return {}
+        """Scalars for the step's metrics row: for local sandboxes, how many made since
+        the last row have no total memory bound (no memory cgroup could hold them)."""
+        if self.backend != "local":
+            return {}
+        with self._lock:
+            count, self._no_memory_cgroup = self._no_memory_cgroup, 0
+        return {"env/no_memory_cgroup": float(count)}
 
     def close(self) -> None:
         """Removes any container of this factory still there (one whose creation was cut

@@ -34,7 +34,8 @@ all of an isolated sandbox's processes together by a memory cgroup of
 `total_memory_bytes` (env.sandbox.cgroup; v2 or v1), where the host lets root make one.
 Where it does not (`cgroup.available()` is False: no writable cgroupfs, or a cgroup v2
 parent that does not delegate memory, as in many containers), there is no total bound:
-use the docker backend where that matters.
+a warning says so once per process, and the factory counts such sandboxes in its metrics
+(`env/no_memory_cgroup`); use the docker backend where that matters.
 
 After every command, processes it left in the background are killed: each call of
 `run` is self-contained, so an episode never leaks processes between steps.
@@ -176,6 +177,9 @@ class LocalSandbox(base.Sandbox):
         self._pristine = False
         self._supervisor: Supervisor | None = None
         self._memory: cgroup.MemoryGroup | None = None
+        # A total memory bound was asked for (limits.total_memory_bytes) but no memory
+        # cgroup holds the sandbox's processes: each is bounded by its address space only.
+        self.no_memory_cgroup = False
         self._uid = secrets.randbelow(UID_RANGE[1] - UID_RANGE[0]) + UID_RANGE[0]
         if os.geteuid() != 0:
             self._uid = None
@@ -207,6 +211,9 @@ class LocalSandbox(base.Sandbox):
             if self.isolated and limits.total_memory_bytes:
                 self._memory = cgroup.MemoryGroup.create(os.path.basename(self.root),
                                                          limits.total_memory_bytes)
+            if limits.total_memory_bytes and self._memory is None:
+                self.no_memory_cgroup = True
+                _warn_no_memory_cgroup(self.isolated)
             self._supervisor = Supervisor(self.repo, self._env, self._uid,
                                           limits.rlimits(), self.root if self.isolated else None,
                                           self.view, self._memory and self._memory.procs)
@@ -439,6 +446,16 @@ class LocalSandbox(base.Sandbox):
     def oom_kills(self) -> int:
         """Commands' processes the kernel killed for the sandbox's total memory bound."""
         return self._memory.oom_kills() if self._memory is not None else 0
+
+
+@functools.cache
+def _warn_no_memory_cgroup(isolated: bool) -> None:
+    """Logged once per process (per reason): local sandboxes have no total memory bound."""
+    why = ("no memory cgroup can be made here (it needs root and a writable cgroupfs: v1, "
+           "or a v2 parent that delegates memory)" if isolated else "they run unisolated")
+    log.warning("local sandboxes have no total memory bound (LocalLimits.total_memory_bytes): "
+                "%s; each process is bounded by its address space only. Use the docker "
+                "backend where that matters (counted as env/no_memory_cgroup).", why)
 
 
 def _mount_quota(path: str, size: int) -> None:
