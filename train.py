@@ -438,10 +438,11 @@ class Run:
     async def loop(self, state, first_step: int):
         """The step-0 eval, the algorithm's start, then the RL steps to total_steps."""
         loop, writer = self.cfg.loop, self.writer
-        if first_step == 0 and not (self.resumed and os.path.exists(
-                os.path.join(self.workdir, "eval_0.json"))):
-            # (A workdir seeded with a shared warm start already holds its step-0 eval.)
-            await self.evaluate(0, writer)
+        if first_step == 0:
+            # A resumed run (or a workdir seeded with a shared warm start) whose step-0
+            # eval finished keeps it, its row written again if a kill dropped it.
+            if not (self.resumed and saved_eval_row(self.workdir, writer, 0)):
+                await self.evaluate(0, writer)
             writer.mark(0)  # eval_0.json exists: a resume from step 0 keeps its row
         if not self.algo.started:
             start_metrics: dict[str, float] = {}
@@ -479,7 +480,7 @@ class Run:
             # Versions each trajectory lags the policy the learner now updates.
             lags = np.array([agent.policy_version - t.versions[0] for t in trajs], np.float64)
             metrics.update(**rollout_metrics(trajs, groups), **lag_metrics(lags),
-                           **self.sandboxes.metrics())  # a fleet's engines
+                           **self.sandboxes.metrics())  # engines, sandboxes without a memory bound
             kept, advs, algo_metrics = algo.advantages(step, groups)
             metrics.update(algo_metrics, **{"train/trajectories": len(kept)})
             with timed(metrics, "time/learner_s"):
@@ -549,15 +550,17 @@ class Run:
         if not distributed.is_primary():
             return out
         path = path or os.path.join(self.workdir, f"eval_{step}.json")
-        with open(path, "w") as f:
-            json.dump({"step": step, **out,
-                       "rewards": {g[0].task_id: g[0].reward for g in groups}}, f)
         with open(path.removesuffix(".json") + "_transcripts.jsonl", "w") as f:
             for (traj,) in groups:
                 f.write(json.dumps({"task_id": traj.task_id, "reward": traj.reward,
                                     "status": traj.status, "error": traj.error,
                                     "text": self.agent.tokenizer.decode(
                                         traj.token_arrays()[0])}) + "\n")
+        # Last and whole (written beside, then renamed): it exists only for a finished eval.
+        with open(path + ".tmp", "w") as f:
+            json.dump({"step": step, **out,
+                       "rewards": {g[0].task_id: g[0].reward for g in groups}}, f)
+        os.replace(path + ".tmp", path)
         log.info("eval @ step %d: pass rate %.3f over %d tasks", step, out["eval/pass_rate"],
                  len(scored))
         return out
@@ -577,6 +580,27 @@ class Run:
         n = len(self.eval_tasks)
         await self.evaluate(step, None, path or os.path.join(
             self.workdir, f"eval_only_{step}_{n}tasks.json"))
+
+
+def saved_eval_row(workdir: str, writer: MetricWriter, step: int) -> bool:
+    """Whether workdir/eval_{step}.json holds a finished eval of `step` (Run.evaluate
+    writes it last, whole). If so and the metric rows lack its row (a kill between the file
+    and the checkpoint's mark, whose rows a resume keeps), the row is written again from
+    the file, so it is in metrics.jsonl and TensorBoard once whatever the kill point."""
+    path = os.path.join(workdir, f"eval_{step}.json")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        scalars = {k: float(v) for k, v in saved.items() if k.startswith("eval/")}
+    except FileNotFoundError:
+        return False
+    except (ValueError, TypeError, AttributeError) as e:
+        log.warning("%s is unreadable (%s): the eval runs again", path, e)
+        return False
+    if not writer.has_row(step, "eval/pass_rate"):
+        writer.write_scalars(step, scalars)
+        log.info("eval @ step %d: its row written again from %s", step, path)
+    return True
 
 
 if __name__ == "__main__":

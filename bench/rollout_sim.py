@@ -323,6 +323,9 @@ class SimSandbox(Sandbox):
     def patch(self) -> str:
         return ""
 
+    def unpatched(self) -> list[str]:
+        return []
+
     def apply_patch(self, patch: str) -> None:
         """Nothing to apply: the simulated repository has no tracked changes."""
 

@@ -33,21 +33,28 @@ from env.tools import ToolBox, ToolCallError, parse_tool_call
 @dataclasses.dataclass
 class StepRecord:
     """One step: the parsed call (None when the action did not parse), the observation,
-    the `git diff` after the step, and the raw action text when one was given."""
+    the `git diff` after the step, the raw action text when one was given, and the paths
+    of the tree after the step that no patch carries (Sandbox.unpatched)."""
 
     tool_call: dict[str, Any] | None
     observation: str
     patch: str
     action: str = ""
+    unpatched: list[str] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
 class Mismatch:
-    """A re-executed step whose observation differs from the recorded one."""
+    """What a replay could not reproduce at one step. what: "observation" or "patch" (a
+    re-executed step's differs from the recorded one), or "unpatched" (after step k, paths
+    no patch carries, e.g. an ignored *.pyc or an empty directory: `recorded` lists those
+    of the source the replay lacks, `replayed` those it has that the source had not, one
+    a line)."""
 
     step: int  # 1-based
     recorded: str
     replayed: str
+    what: str = "observation"
 
 
 class Episode:
@@ -164,11 +171,14 @@ class Episode:
                 result = self.tools.execute(call)
                 observation, finished, changed = result.observation, result.done, result.changed
             # Read-only calls (view, search, finish, rejected calls) keep the last patch.
-            patch = self.sandbox.patch() if changed or not self.steps else self.steps[-1].patch
+            if changed or not self.steps:
+                patch, unpatched = self.sandbox.patch(), self.sandbox.unpatched()
+            else:
+                patch, unpatched = self.steps[-1].patch, self.steps[-1].unpatched
         except Exception as e:  # noqa: BLE001 - whatever broke, it is no task outcome
             self._fail(e)
             return f"ERROR: the environment failed: {self.error}", True
-        self.steps.append(StepRecord(call, observation, patch, text))
+        self.steps.append(StepRecord(call, observation, patch, text, unpatched))
         self.status = "finished" if finished else self._budget_status()
         return observation, self.done
 
@@ -222,6 +232,14 @@ def same_observation(a: str, b: str) -> bool:
 
 
 
+def unpatched_mismatch(k: int, recorded: list[str], replayed: list[str]) -> list[Mismatch]:
+    """[Mismatch "unpatched"] where the paths no patch carries differ after step k."""
+    lacking, extra = sorted(set(recorded) - set(replayed)), sorted(set(replayed) - set(recorded))
+    if not (lacking or extra):
+        return []
+    return [Mismatch(k, "\n".join(lacking), "\n".join(extra), "unpatched")]
+
+
 def restore(task: Task, source_steps: list[StepRecord], k: int,
             sandbox_factory: SandboxFactory, *, reexec: bool = False,
             **episode_kwargs: Any) -> tuple[Episode, list[Mismatch]]:
@@ -230,8 +248,10 @@ def restore(task: Task, source_steps: list[StepRecord], k: int,
     Default: a fresh sandbox with step k's recorded patch applied; the episode's
     history is the source's first k records (the step counter and budget continue
     from k). reexec=True instead re-executes the k calls and returns the steps whose
-    observation differs from the recorded one (`same_observation`); the history is
-    then the re-executed one. Raises SandboxError on infrastructure
+    observation (`same_observation`) or patch differs from the recorded one; the history
+    is then the re-executed one. Either way, what no patch carries (ignored files, empty
+    directories) and differs from the source after step k is returned as a Mismatch
+    "unpatched": replay by patch cannot restore it. Raises SandboxError on infrastructure
     failure and ValueError when the recorded patch does not apply.
     """
     if not 1 <= k <= len(source_steps):
@@ -250,10 +270,14 @@ def restore(task: Task, source_steps: list[StepRecord], k: int,
                     raise SandboxError(episode.error)
                 if not same_observation(observation, record.observation):
                     mismatches.append(Mismatch(i, record.observation, observation))
+                if episode.steps[-1].patch != record.patch:
+                    mismatches.append(Mismatch(i, record.patch, episode.steps[-1].patch, "patch"))
         else:
             if source_steps[k - 1].patch:
                 episode.sandbox.apply_patch(source_steps[k - 1].patch)
             episode.steps = [dataclasses.replace(r) for r in source_steps[:k]]
+        replayed = episode.steps[-1].unpatched if reexec else episode.sandbox.unpatched()
+        mismatches += unpatched_mismatch(k, source_steps[k - 1].unpatched, replayed)
         episode.status = episode._budget_status()
     except BaseException:
         episode.close()

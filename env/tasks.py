@@ -30,6 +30,7 @@ from typing import Any
 
 from env import swebench
 from env.logparsers import PARSER_NAMES
+from env.paths import repo_relative
 
 R2E_TEST_COMMAND = (
     "rm -rf r2e_tests && ln -s /root/r2e_tests r2e_tests && bash /root/run_tests.sh; "
@@ -184,10 +185,7 @@ def task_from_row(row: Any, where: str = "row",
         raise TaskRowError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     harness = _harness_defaults(row, where, image_template)
     image = _field(row, where, "image", "docker_image", "image_name", default="")
-    repo_files = _field(row, where, "repo_files", kind=dict)
-    if repo_files is not None and not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in repo_files.items()):
-        raise TaskRowError(f"{where}: field 'repo_files' must map paths to text")
+    repo_files = _repo_files(row, where)
     repo_dir = _repo_dir(row, where)
     image = image or ("" if repo_files is not None or repo_dir else harness.get("image", ""))
     if not (image or repo_files or repo_dir):
@@ -224,6 +222,22 @@ def task_from_row(row: Any, where: str = "row",
         metadata={k: v for k, v in row.items()
                   if k not in KNOWN_FIELDS or (k == "difficulty" and isinstance(v, str))},
     )
+
+
+def _repo_files(row: dict, where: str) -> dict[str, str] | None:
+    """Repository-relative paths -> text; an absolute path or one that climbs out with
+    '..' is refused here rather than at the first sandbox."""
+    repo_files = _field(row, where, "repo_files", kind=dict)
+    if repo_files is None:
+        return None
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in repo_files.items()):
+        raise TaskRowError(f"{where}: field 'repo_files' must map paths to text")
+    for path in repo_files:
+        try:
+            repo_relative(path)
+        except ValueError as e:
+            raise TaskRowError(f"{where}: field 'repo_files': {e}") from None
+    return repo_files
 
 
 def _difficulty(row: dict, where: str) -> int | None:

@@ -189,6 +189,20 @@ class MetricWriter:
         self._marks[str(int(step))] = (self.rows, self.summaries)
         self._save_marks()
 
+    def has_row(self, step: int, key: str) -> bool:
+        """Whether metrics.jsonl holds a row of `step` with `key` (True where this
+        process writes nothing)."""
+        if not self.enabled:
+            return True
+        self.flush()
+        with open(self._jsonl.name) as f:
+            for line in f:
+                with contextlib.suppress(json.JSONDecodeError):
+                    row = json.loads(line)
+                    if row.get("step") == step and key in row:
+                        return True
+        return False
+
     def _read_marks(self) -> dict[str, tuple[int, int]]:
         try:
             with open(self._marks_path) as f:

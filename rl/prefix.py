@@ -293,8 +293,8 @@ class PrefixQueue:
             "tasks": [{f.name: getattr(task, f.name) for f in dataclasses.fields(task)
                        if f.name not in ("turns", "next_obs_ids")} | {"num_turns": len(task.turns)}
                       for task in self.tasks],
-            "turns": [{"tool_call": t.tool_call, "observation": t.observation, "patch": t.patch}
-                      for t in turns],
+            "turns": [{"tool_call": t.tool_call, "observation": t.observation, "patch": t.patch,
+                       "unpatched": t.unpatched} for t in turns],
             "obs_len": np.array([len(t.obs_ids) for t in turns], np.int64),
             "action_len": np.array([len(t.action_ids) for t in turns], np.int64),
             "obs_ids": _concat([t.obs_ids for t in turns], np.int64),
@@ -313,7 +313,8 @@ class PrefixQueue:
         logp = _split(state["action_logprobs"], state["action_len"])
         turns = [Turn(obs_ids=[int(x) for x in o], action_ids=[int(x) for x in a],
                       action_logprobs=[float(x) for x in lp], tool_call=m["tool_call"],
-                      observation=m["observation"], patch=m["patch"], replayed=True)
+                      observation=m["observation"], patch=m["patch"],
+                      unpatched=list(m.get("unpatched", [])), replayed=True)
                  for o, a, lp, m in zip(obs, act, logp, state["turns"], strict=True)]
         next_obs = _split(state["next_obs_ids"], state["next_obs_len"])
         self.tasks, start = [], 0

@@ -301,13 +301,15 @@ class Agent:
         p = job.prefix
         # With the action text: a call that did not parse is replayed as written.
         records = [episode_lib.StepRecord(t.tool_call, t.observation, t.patch,
-                                          self.tokenizer.decode(t.action_ids))
+                                          self.tokenizer.decode(t.action_ids), t.unpatched)
                    for t in p.turns]
         episode, mismatches = episode_lib.restore(job.task, records, p.k, sandbox,
                                                   reexec=job.replay == "reexec", **kwargs)
-        if mismatches:
-            log.warning("replay of %s to step %d: %d re-executed observations differ from "
-                        "the recorded ones", p.source_uid, p.k, len(mismatches))
+        for m in mismatches:
+            log.warning("%s replay of %s to step %d: the %s of step %d differs from the "
+                        "source's%s", job.replay, p.source_uid, p.k, m.what, m.step,
+                        f" (not restored: {m.recorded.splitlines()}; not in the source: "
+                        f"{m.replayed.splitlines()})" if m.what == "unpatched" else "")
         traj.turns = [dataclasses.replace(t, replayed=True) for t in p.turns]
         traj.prefix = p.info
         # The source's own ids for the observation after step k: the restored prompt is
@@ -355,8 +357,8 @@ class Agent:
                 traj.status, traj.error = "env_error", episode.error
                 return
             record = episode.steps[-1]
-            turn.tool_call, turn.observation, turn.patch = (
-                record.tool_call, record.observation, record.patch)
+            turn.tool_call, turn.observation, turn.patch, turn.unpatched = (
+                record.tool_call, record.observation, record.patch, record.unpatched)
             if done:
                 traj.status = episode.status
                 return

@@ -162,7 +162,21 @@ async def demonstrations(cfg: SFTConfig, seed: int, agent: Agent,
             return await asyncio.gather(*(one(t, a) for t, a in mine))
 
         demos = await distributed.gather_map(render, scripts)
-    return [d for d in demos if not d.is_env_error and d.num_generated_tokens]
+    kept = [d for d in demos if not d.is_env_error and d.num_generated_tokens]
+    if not kept:
+        raise RuntimeError(no_demonstrations_reason(demos))
+    return kept
+
+
+def no_demonstrations_reason(demos: Sequence[Trajectory]) -> str:
+    """Why SFT has nothing to train on: how many demonstrations were asked for, how many
+    were env errors (with the first distinct errors) and how many produced no tokens."""
+    errors = [d for d in demos if d.is_env_error]
+    first = sorted({d.error for d in errors})[:3]
+    return (f"SFT has no demonstration to train on: of {len(demos)} scripted demonstrations "
+            f"{len(errors)} were env errors and {len(demos) - len(errors)} produced no "
+            f"tokens (first errors: {first}); check the env (sandbox, grading timeouts) "
+            f"or set sft.steps=0")
 
 
 async def warm_start(cfg: SFTConfig, learner_cfg: learner.LearnerConfig, agent: Agent,

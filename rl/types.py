@@ -28,6 +28,8 @@ class Turn:
       action did not contain a valid call.
     observation: the text the environment answered with.
     patch: `git diff` of the repository against the base commit after this step.
+    unpatched: the paths no patch carries after this step (ignored files, empty
+      directories; env.sandbox Sandbox.unpatched), which a replay by patch cannot restore.
     replayed: copied from a prefix source; prefilled, never trained.
     policy_version: the oldest policy version that sampled the action (the engine's
       weight version where it reports one, else the agent's; None when scripted).
@@ -39,6 +41,7 @@ class Turn:
     tool_call: dict[str, Any] | None = None
     observation: str = ""
     patch: str = ""
+    unpatched: list[str] = dataclasses.field(default_factory=list)
     replayed: bool = False
     policy_version: int | None = None
 

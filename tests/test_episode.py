@@ -91,6 +91,27 @@ def test_reexec_reports_differing_observations(factory):
     assert not same_observation("Ran 4 tests", "Ran 5 tests")
 
 
+def test_replay_reports_what_it_could_not_restore(factory):
+    """Replay by patch: an ignored *.pyc and an empty directory of the source are named as
+    not restored. Replay by re-execution: a file of /dev/urandom bytes (same, empty
+    observation) is a patch mismatch at its step and the next (whose patch holds it too)."""
+    task = generate_tasks(1, seed=1)[0]
+    path = task.metadata["bugs"][0]["path"]
+    steps, _ = _record(factory, task, [
+        _bash(f"python3 -c 'import py_compile; py_compile.compile(\"{path}\", cfile=\"x.pyc\")'"
+              " && mkdir -p empty/dir"),
+        _bash("head -c 16 /dev/urandom > key.bin"), _bash("echo same")])
+    assert steps[0].unpatched == ["empty/dir/", "x.pyc"]
+    episode, mismatches = restore(task, steps, 1, factory)
+    episode.close()
+    assert [(m.step, m.what, m.recorded, m.replayed) for m in mismatches] == [
+        (1, "unpatched", "empty/dir/\nx.pyc", "")]
+    episode, mismatches = restore(task, steps, 3, factory, reexec=True)
+    episode.close()
+    assert [(m.step, m.what) for m in mismatches] == [(2, "patch"), (3, "patch")]
+    assert "key.bin" in mismatches[0].recorded and mismatches[0].recorded != mismatches[0].replayed
+
+
 def test_steps_patches_and_statuses(factory):
     task = generate_tasks(1, seed=4)[0]
     bug = task.metadata["bugs"][0]

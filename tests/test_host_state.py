@@ -19,7 +19,8 @@ def _traj(task_id, reward, steps, rng):
     turns = [Turn(list(rng.integers(0, 500, 7)), list(rng.integers(0, 500, 5)),
                   list(rng.normal(size=5)), tool_call={"name": "execute_bash",
                                                        "arguments": {"command": f"ls {i}"}},
-                  observation=f"out {i} \u00e9", patch=f"diff {i}") for i in range(steps)]
+                  observation=f"out {i} \u00e9", patch=f"diff {i}",
+                  unpatched=[f"cache{i}/", "x.pyc"][:i % 3]) for i in range(steps)]
     return Trajectory(task_id=task_id, uid=f"{task_id}-{rng.integers(1 << 30)}", turns=turns,
                       reward=reward)
 

@@ -82,7 +82,7 @@ PRIVATE = {
     # via env.sandbox (with env.sandbox.base, the interface, and env.sandbox.pool)
     "env/sandbox": tuple(f"env.sandbox.{m}" for m in (
         "factory", "local", "docker", "fleet", "supervisor", "supervisor_main", "shell", "fsread",
-        "output", "paths")),
+        "output")),
     "inference": ("inference.embedded", "inference.sglang"),  # engines via inference.build
 }
 PRODUCT = ("train.py", "rl", "env", "inference", "models")

@@ -13,6 +13,7 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import train
 from rl.metrics import MetricWriter
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,40 +34,50 @@ def _scalars(workdir):
             for tag in acc.Tags()["scalars"]}
 
 
-# A run as train.py writes it: (phase, step, scalars); "save" checkpoints and marks.
+# A run as train.py writes it: (phase, step, scalars); "save" checkpoints and marks; the
+# step-0 eval writes its row, then eval_0.json ("eval_json"), then marks ("eval_done").
+EVAL = {"eval/pass_rate": 0.1, "eval/env_errors": 0.0}
 RUN = [("sft", 0, {"sft/loss": 3.0}), ("sft", 10, {"sft/loss": 2.0}),
        ("sft", 20, {"sft/loss": 1.0}), ("save", 0, None),
-       ("eval", 0, {"eval/pass_rate": 0.1}), ("eval_done", 0, None),
+       ("eval", 0, EVAL), ("eval_json", 0, EVAL), ("eval_done", 0, None),
        ("start", 0, {"start/value_mean": 0.4}), ("rl", 1, {"x": 1.0}), ("save", 1, None),
        ("rl", 2, {"x": 2.0}), ("save", 2, None), ("rl", 3, {"x": 3.0}), ("save", 3, None)]
 
 
 def _play(workdir, events, resume_step):
-    """Writes `events` with a writer resumed at `resume_step`; returns how far it got."""
+    """Writes `events` with a writer resumed at `resume_step`. A resumed run reaching the
+    step-0 eval does what train.py's loop does: keeps a finished one (train.saved_eval_row,
+    which writes its row again where a kill dropped it) instead of evaluating again."""
     writer = MetricWriter(workdir, resume_step=resume_step)
+    kept_eval = False
     for phase, step, scalars in events:
-        if scalars is not None:
-            writer.write_scalars(step, scalars)
+        if phase == "eval" and resume_step >= 0:
+            kept_eval = train.saved_eval_row(workdir, writer, step)
+        if phase in ("eval", "eval_json") and kept_eval:
+            continue
+        if phase == "eval_json":
+            with open(os.path.join(workdir, f"eval_{step}.json"), "w") as f:
+                json.dump({"step": step, **scalars, "rewards": {}}, f)
         elif phase in ("save", "eval_done"):
             writer.mark(step)
+        else:
+            writer.write_scalars(step, scalars)
     writer.close()
 
 
 def _resume_point(kill_at):
-    """(checkpoint step, events the resumed run writes) after a kill before event
-    `kill_at` of RUN: the newest save before it; an eval already done is not redone."""
+    """(checkpoint step, events the resumed run goes through) after a kill before event
+    `kill_at` of RUN: the newest save before it, and everything after that save."""
     saves = [i for i in range(kill_at) if RUN[i][0] == "save"]
     if not saves:
         return -1, RUN
-    step = RUN[saves[-1]][1]
-    rest = RUN[saves[-1] + 1:]
-    if any(RUN[i][0] == "eval_done" for i in range(saves[-1], kill_at)):
-        rest = [e for e in rest if e[0] not in ("eval", "eval_done")]
-    return step, rest
+    return RUN[saves[-1]][1], RUN[saves[-1] + 1:]
 
 
 @pytest.mark.parametrize("kill_at", range(1, len(RUN) + 1))
 def test_a_kill_anywhere_then_resume_writes_each_row_and_summary_once(tmp_path, kill_at):
+    """Every kill point, those between eval_0.json and the step-0 mark included: the
+    step-0 eval row is there once, as in the uninterrupted run."""
     whole = str(tmp_path / "whole")
     _play(whole, RUN, -1)
     run = str(tmp_path / "run")

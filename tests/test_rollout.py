@@ -182,10 +182,11 @@ def test_prefix_replay_restores_files_prompt_and_masks(model, tokenizer, factory
     original.reset()
     for turn in source.turns[:k]:
         original.step(turn.tool_call)
-    restored, _ = episode_lib.restore(
-        task, [episode_lib.StepRecord(t.tool_call, t.observation, t.patch) for t in ptask.turns],
-        k, factory)
+    restored, mismatches = episode_lib.restore(
+        task, [episode_lib.StepRecord(t.tool_call, t.observation, t.patch, "", t.unpatched)
+               for t in ptask.turns], k, factory)
     try:
+        assert mismatches == []
         assert _file_hashes(restored.sandbox) == _file_hashes(original.sandbox)
     finally:
         original.close()

@@ -418,6 +418,17 @@ def test_close_kills_running_command_and_removes_everything(make):
         assert not os.path.exists(sb.root)
 
 
+def test_a_factory_refuses_an_unknown_keyword_when_made():
+    """A typo in a factory's defaults is refused at construction, naming the keyword and
+    the accepted ones, not at the first episode as an env error."""
+    with pytest.raises(TypeError, match=r"unknown keyword\(s\) \['limit'\]; LocalSandbox "
+                                        r"accepts \[.*'limits'"):
+        SandboxFactory("local", limit=LocalLimits())
+    with pytest.raises(TypeError, match=r"\['mem_limits'\]; DockerSandbox accepts \[.*'mem_limit'"):
+        SandboxFactory("docker", image=IMAGE, mem_limits="512m")
+    assert SandboxFactory("local", limits=LocalLimits(), read_only=()).defaults
+
+
 def test_local_scrubbed_environment(monkeypatch):
     monkeypatch.setenv("SECRET_TOKEN", "hunter2")
     with SandboxFactory("local").create(repo_files=FILES) as sb:
@@ -475,6 +486,39 @@ def test_local_total_memory_bound_ends_a_command_not_the_sandbox(memory_cgroups)
         assert sb.oom_kills() >= 1
         assert sb.run(hold).output.strip() == "held"
     assert not os.path.exists(group)
+
+
+NO_CGROUP_SCRIPT = """
+import logging
+from env.sandbox import SandboxFactory
+logging.basicConfig(format="%(levelname)s %(message)s")
+factory = SandboxFactory("local")
+for _ in range(2):
+    with factory.create(repo_files={"a.py": "x = 1\\n"}) as sb:
+        assert sb.run("echo ok").output == "ok\\n"
+print(factory.metrics())
+print(factory.metrics())
+"""
+
+
+def test_local_without_a_memory_cgroup_warns_once_and_counts_it(isolated, memory_cgroups):
+    """An empty tmpfs over /sys/fs/cgroup (a mount namespace of the child's own): no memory
+    cgroup can be made, so both sandboxes run without a total bound; one warning says so
+    and the factory's metrics count them. Here, with cgroups, the count is 0."""
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+         f"mount -t tmpfs none {cgroup.CGROUP_ROOT} && exec {sys.executable} -c "
+         f"'{NO_CGROUP_SCRIPT}'"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["{'env/no_memory_cgroup': 2.0}",
+                                        "{'env/no_memory_cgroup': 0.0}"], done.stdout
+    warnings = [line for line in done.stderr.splitlines() if "no total memory bound" in line]
+    assert len(warnings) == 1 and "no memory cgroup can be made here" in warnings[0], \
+        done.stderr
+    factory = SandboxFactory("local")
+    with factory.create(repo_files=FILES) as sb:
+        assert sb._memory is not None
+    assert factory.metrics() == {"env/no_memory_cgroup": 0.0}
 
 
 def test_local_from_repo_dir_at_base_commit(tmp_path):

@@ -122,6 +122,47 @@ def test_local_commands_cannot_see_the_trainer_or_write_the_host(tmp_path, monke
         assert sb.run("echo ok > inside && cat inside").output == "ok\n"
 
 
+# Runs each setuid program named on the command line (`--help`, with its stdout a full pipe,
+# so it blocks in its first write, after exec) and prints its Uid line and NoNewPrivs.
+SETUID_PROBE = r"""
+import os, subprocess, sys, time
+for prog in sys.argv[1:]:
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        while True:
+            os.write(w, b"x" * 4096)
+    except BlockingIOError:
+        pass
+    os.set_blocking(w, True)
+    p = subprocess.Popen([prog, "--help"], stdout=w, stderr=subprocess.DEVNULL)
+    for _ in range(200):
+        time.sleep(0.05)
+        with open(f"/proc/{p.pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        if fields["State"].split()[0] == "S":
+            break
+    p.kill()
+    p.wait()
+    print(prog, *fields["Uid"].split(), fields["NoNewPrivs"].strip())
+"""
+SETUID_PROGRAMS = [p for p in ("su", "passwd", "chsh", "chfn") if os.path.exists(f"/usr/bin/{p}")
+                   and os.stat(f"/usr/bin/{p}").st_mode & 0o4000]
+
+
+def test_local_setuid_programs_run_without_privilege():
+    """su, passwd, chsh, chfn are setuid root on the host: in the sandbox they run with
+    the command's own uid (real, effective, saved, filesystem), under no_new_privs."""
+    assert SETUID_PROGRAMS, "no setuid-root program among su, passwd, chsh, chfn"
+    with LocalSandbox(repo_files={"probe.py": SETUID_PROBE}) as sb:
+        out = sb.run(f"python3 probe.py {' '.join(SETUID_PROGRAMS)}")
+        uid = sb.run("id -u").output.strip()
+    rows = [line.split() for line in out.output.splitlines()]
+    assert [r[0] for r in rows] == SETUID_PROGRAMS, out.output
+    for prog, *uids, no_new_privs in rows:
+        assert uids == [uid] * 4 and no_new_privs == "1", (prog, uids, no_new_privs)
+
+
 def test_local_refuses_to_run_unisolated_unless_allowed():
     """Without CAP_SYS_ADMIN (an unprivileged container; setpriv drops it) no namespaces
     can be had: the backend refuses to start unless running untrusted code unisolated

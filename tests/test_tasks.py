@@ -173,6 +173,13 @@ NATIVE = {"instance_id": "t", "problem_statement": "x", "repo_files": {"a.py": "
      "field 'repo_dir' is '/usr/lib/..' (the host's /usr)"),
     ({k: v for k, v in NATIVE.items() if k != "repo_files"} | {"repo_dir": "/"},
      "field 'repo_dir' is '/' (the host's /)"),
+    ({**NATIVE, "repo_files": {"a.py": "1", "/etc/cron.d/x": "2"}},
+     "field 'repo_files': file path must be relative to the repository root, got "
+     "'/etc/cron.d/x'"),
+    ({**NATIVE, "repo_files": {"pkg/../../outside.py": "1"}},
+     "field 'repo_files': file path 'pkg/../../outside.py' leaves the repository root"),
+    ({**NATIVE, "repo_files": {"pkg/..": "1"}},
+     "field 'repo_files': file path 'pkg/..' names the repository root, not a file"),
 ])
 def test_unsafe_or_coerced_fields_are_refused_with_line_and_field(tmp_path, row, message):
     path = _write(tmp_path, [SWE_BENCH_ROW, row])

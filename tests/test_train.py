@@ -214,6 +214,16 @@ def test_kl_anchor_smoke(tmp_path, kl):
     assert os.path.isdir(os.path.join(workdir, "reference"))
 
 
+def test_a_warm_start_without_one_demonstration_stops_naming_why(tmp_path):
+    """Every grading times out, so every scripted demonstration is an env error: the SFT
+    warm start stops with a clear error, not a ZeroDivisionError."""
+    out = _run(str(tmp_path / "run"), overrides=("rollout.test_timeout_s=0.001",))
+    assert out.returncode != 0
+    assert "ZeroDivisionError" not in out.stderr, out.stderr[-3000:]
+    assert "SFT has no demonstration to train on: of " in out.stderr, out.stderr[-3000:]
+    assert " were env errors and 0 produced no tokens" in out.stderr, out.stderr[-3000:]
+
+
 def test_a_run_whose_rollouts_are_all_env_errors_stops_with_an_error(tmp_path):
     """Every grading times out, in the episode and at the reference state (a test
     timeout no run can meet): each rollout is an env error, and after

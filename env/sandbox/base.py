@@ -11,9 +11,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 
+from env.sandbox import shell
+
 # Default cap on a patch: each step's patch is kept in the history, the Prefix Sampling
 # queue and checkpoints; real fixes are kilobytes.
 MAX_PATCH_BYTES = 1 << 20
+# Cap on the paths `unpatched` lists (a wholly ignored directory is one line).
+MAX_UNPATCHED = 200
 
 
 class SandboxError(RuntimeError):
@@ -65,6 +69,15 @@ class Sandbox(abc.ABC):
     def patch(self) -> str:
         """The `git diff` of the working tree against the task's base commit
         (binary-safe, including untracked files). PatchTooLarge past the backend's cap."""
+
+    def unpatched(self) -> list[str]:
+        """The paths of the tree no patch carries (ignored files and directories, empty
+        directories; shell.unpatched_paths), sorted, at most MAX_UNPATCHED: what a replay
+        by patch cannot restore."""
+        result = self.run(shell.unpatched_paths(MAX_UNPATCHED), timeout=60)
+        if result.exit_code != 0:
+            raise SandboxError(f"listing the paths a patch leaves out failed: {result.output}")
+        return result.output.splitlines()
 
     @abc.abstractmethod
     def apply_patch(self, patch: str) -> None:

@@ -41,10 +41,10 @@ import docker
 import docker.errors
 import requests.exceptions
 
+from env.paths import repo_relative
 from env.sandbox import base, shell
 from env.sandbox.local import EXEC_ENV
 from env.sandbox.output import CappedOutput
-from env.sandbox.paths import repo_relative
 
 log = logging.getLogger(__name__)
 

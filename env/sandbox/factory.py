@@ -1,14 +1,16 @@
 """The one place sandboxes are made: a task (or a backend's own arguments) -> a new
 sandbox of the run's backend, on one engine or over a Docker fleet.
 
-Every factory has `metrics()` (scalars for the step's row: a fleet's engines) and
-`close()` (a fleet stops probing and removes its containers); the sandboxes themselves
-are bounded and closed by env.sandbox.pool.
+Every factory has `metrics()` (scalars for the step's row: a fleet's engines, local
+sandboxes without a memory cgroup) and `close()` (a fleet stops probing and removes its
+containers); the sandboxes themselves are bounded and closed by env.sandbox.pool.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import threading
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +27,8 @@ log = logging.getLogger(__name__)
 BACKENDS = ("local", "docker")
 # Docker sandboxes carry {FACTORY_LABEL: factory.id}: close() removes what is left.
 FACTORY_LABEL = "swe-rl.factory"
+# The fleet's own keywords (the rest are its sandboxes' defaults).
+FLEET_KEYWORDS = ("probe_s", "timeout_s", "wait_s")
 
 
 def sandbox_spec(task: Task, backend: str) -> dict[str, Any]:
@@ -71,9 +75,12 @@ class SandboxFactory:
     def __init__(self, backend: str, **defaults: Any):
         if backend not in BACKENDS:
             raise ValueError(f"unknown sandbox backend {backend!r}; expected one of {BACKENDS}")
+        check_keywords(backend, defaults)
         self.backend, self.defaults = backend, defaults
         self.id = uuid.uuid4().hex[:12]
         self.labels = {FACTORY_LABEL: self.id}
+        self._no_memory_cgroup = 0  # local sandboxes made since metrics() without one
+        self._lock = threading.Lock()
 
     def __call__(self, source: Task | Mapping[str, Any] | None) -> Sandbox:
         spec = (sandbox_spec(source, self.backend) if isinstance(source, Task)
@@ -84,12 +91,21 @@ class SandboxFactory:
         """A sandbox from backend arguments: the defaults, overridden by `spec`."""
         kwargs = {**self.defaults, **spec}
         if self.backend == "local":
-            return LocalSandbox(**kwargs)
+            sandbox = LocalSandbox(**kwargs)
+            if sandbox.no_memory_cgroup:
+                with self._lock:
+                    self._no_memory_cgroup += 1
+            return sandbox
         return DockerSandbox(**{**kwargs, "labels": {**kwargs.get("labels", {}), **self.labels}})
 
     def metrics(self) -> dict[str, float]:
-        """Scalars for the step's metrics row (none on one engine)."""
-        return {}
+        """Scalars for the step's metrics row: for local sandboxes, how many made since
+        the last row have no total memory bound (no memory cgroup could hold them)."""
+        if self.backend != "local":
+            return {}
+        with self._lock:
+            count, self._no_memory_cgroup = self._no_memory_cgroup, 0
+        return {"env/no_memory_cgroup": float(count)}
 
     def close(self) -> None:
         """Removes any container of this factory still there (one whose creation was cut
@@ -98,13 +114,25 @@ class SandboxFactory:
             remove_containers(self.labels, self.defaults.get("client"))
 
 
+def check_keywords(backend: str, defaults: Mapping[str, Any]) -> None:
+    """Refuses, at construction, a default the backend's sandbox does not take (a typo
+    would otherwise fail at the first episode, as an env error)."""
+    sandbox = LocalSandbox if backend == "local" else DockerSandbox
+    accepted = sorted(p for p in inspect.signature(sandbox.__init__).parameters if p != "self")
+    unknown = sorted(set(defaults) - set(accepted))
+    if unknown:
+        raise TypeError(f"SandboxFactory({backend!r}) got unknown keyword(s) {unknown}; "
+                        f"{sandbox.__name__} accepts {accepted}")
+
+
 class FleetFactory(SandboxFactory):
     """task -> a new Docker sandbox holding the task's repository, on the engine of a
     fleet with the most free slots (env.sandbox.fleet); `close()` closes the fleet."""
 
     def __init__(self, hosts: list[str], slots_per_engine: int, **defaults: Any):
+        fleet_own = {k: defaults.pop(k) for k in FLEET_KEYWORDS if k in defaults}
         super().__init__("docker", **defaults)
-        self.fleet = DockerFleet(hosts, slots_per_engine, **defaults)
+        self.fleet = DockerFleet(hosts, slots_per_engine, **fleet_own, **defaults)
 
     def create(self, **spec: Any) -> Sandbox:
         return self.fleet.create(**spec)

@@ -3,24 +3,26 @@
 Layout of one sandbox: `<tmp>/sandbox-XXXX/{repo,home,tmp}`; `repo` is a git checkout
 whose base commit `patch()` diffs against.
 
-Isolation: every command runs under the sandbox's supervisor (supervisor_main.py, one long-
-lived process per sandbox, forked with it; env.sandbox.supervisor talks to it), with the
-sandbox's own environment (PATH, HOME, TMPDIR, LANG: nothing of the trainer's) and
-rlimits (CPU seconds, address space, file size, processes). As root (required unless
+Isolation: every command runs under the sandbox's supervisor (supervisor_main.py, one
+long-lived process per sandbox, forked with it; env.sandbox.supervisor talks to it),
+with the sandbox's own environment (PATH, HOME, TMPDIR, LANG: nothing of the trainer's)
+and rlimits (CPU seconds, address space, file size, processes). As root (required unless
 `allow_unisolated`), each command runs as a uid of its own, drawn at random from a range
 no account uses and owning the sandbox directory, in the supervisor's mount, PID and
 network namespaces, with a root of its own: the sandbox directory, the host's toolchain
 (/usr and the links into it, `supervisor.TOOLCHAIN`) and any `read_only` paths, a few
 names of /etc (no accounts: a passwd of its own), a few devices; a link to any other
 host path (`ln -s /etc/passwd`) finds nothing. Every mount but the sandbox directory is
-read-only; /proc shows only the sandbox's processes (no trainer to read or signal), and
-the loopback is its own (no inference server to call). RLIMIT_NPROC is counted per uid
-and not enforced for root, so only a dedicated uid makes the process limit hold (a fork
-bomb stays bounded) without touching other users' count. The sandbox directory is a
-tmpfs of `disk_bytes`, which bounds everything it holds. The command text reaches bash
-through a memfd (see supervisor_main.py), so its length is not bounded by argv. Commands of
-one sandbox run one at a time. A supervisor that dies or stops answering is a
-SandboxError for that command and every later one.
+read-only, and every mount nosuid; commands run under no_new_privs (isolated or not), so
+a setuid program (su, passwd) runs with the command's uid; /proc shows only the
+sandbox's processes (no trainer to read or signal), and the loopback is its own (no
+inference server to call). RLIMIT_NPROC is counted per uid and not enforced for root, so
+only a dedicated uid makes the process limit hold (a fork bomb stays bounded) without
+touching other users' count. The sandbox directory is a tmpfs of `disk_bytes`, which
+bounds everything it holds. The command text reaches bash through a memfd (see
+supervisor_main.py), so its length is not bounded by argv. Commands of one sandbox run
+one at a time. A supervisor that dies or stops answering is a SandboxError for that
+command and every later one.
 
 Where isolation cannot be had (no root, no namespaces), the constructor raises
 IsolationUnavailable unless `allow_unisolated`: commands then run as the calling
@@ -32,7 +34,8 @@ all of an isolated sandbox's processes together by a memory cgroup of
 `total_memory_bytes` (env.sandbox.cgroup; v2 or v1), where the host lets root make one.
 Where it does not (`cgroup.available()` is False: no writable cgroupfs, or a cgroup v2
 parent that does not delegate memory, as in many containers), there is no total bound:
-use the docker backend where that matters.
+a warning says so once per process, and the factory counts such sandboxes in its metrics
+(`env/no_memory_cgroup`); use the docker backend where that matters.
 
 After every command, processes it left in the background are killed: each call of
 `run` is self-contained, so an episode never leaks processes between steps.
@@ -72,8 +75,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 
+from env.paths import repo_relative
 from env.sandbox import base, cgroup, fsread, shell
-from env.sandbox.paths import repo_relative
 from env.sandbox.supervisor import TOOLCHAIN, Completed, RootView, Supervisor
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -174,6 +177,9 @@ class LocalSandbox(base.Sandbox):
         self._pristine = False
         self._supervisor: Supervisor | None = None
         self._memory: cgroup.MemoryGroup | None = None
+        # A total memory bound was asked for (limits.total_memory_bytes) but no memory
+        # cgroup holds the sandbox's processes: each is bounded by its address space only.
+        self.no_memory_cgroup = False
         self._uid = secrets.randbelow(UID_RANGE[1] - UID_RANGE[0]) + UID_RANGE[0]
         if os.geteuid() != 0:
             self._uid = None
@@ -205,6 +211,9 @@ class LocalSandbox(base.Sandbox):
             if self.isolated and limits.total_memory_bytes:
                 self._memory = cgroup.MemoryGroup.create(os.path.basename(self.root),
                                                          limits.total_memory_bytes)
+            if limits.total_memory_bytes and self._memory is None:
+                self.no_memory_cgroup = True
+                _warn_no_memory_cgroup(self.isolated)
             self._supervisor = Supervisor(self.repo, self._env, self._uid,
                                           limits.rlimits(), self.root if self.isolated else None,
                                           self.view, self._memory and self._memory.procs)
@@ -437,6 +446,16 @@ class LocalSandbox(base.Sandbox):
     def oom_kills(self) -> int:
         """Commands' processes the kernel killed for the sandbox's total memory bound."""
         return self._memory.oom_kills() if self._memory is not None else 0
+
+
+@functools.cache
+def _warn_no_memory_cgroup(isolated: bool) -> None:
+    """Logged once per process (per reason): local sandboxes have no total memory bound."""
+    why = ("no memory cgroup can be made here (it needs root and a writable cgroupfs: v1, "
+           "or a v2 parent that delegates memory)" if isolated else "they run unisolated")
+    log.warning("local sandboxes have no total memory bound (LocalLimits.total_memory_bytes): "
+                "%s; each process is bounded by its address space only. Use the docker "
+                "backend where that matters (counted as env/no_memory_cgroup).", why)
 
 
 def _mount_quota(path: str, size: int) -> None:

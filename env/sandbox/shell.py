@@ -14,6 +14,19 @@ case "$t" in "$(pwd -P)"/*) ;; *) printf '%s' "$t" >&2; exit 3 ;; esac
 GIT_EXCLUDES = "__pycache__/\n*.pyc\n.pytest_cache/\n"
 
 
+def unpatched_paths(cap: int) -> str:
+    """Script: the paths of the tree that capped_patch's `git add -A` leaves out, so no
+    patch carries them: ignored files and directories (the repository's ignore rules and
+    GIT_EXCLUDES; a wholly ignored directory as `dir/`) and empty directories (`dir/`),
+    one a line, at most `cap`."""
+    return f"""
+{{ git -c safe.directory=* -c core.excludesFile=/dev/null ls-files --others --ignored \\
+    --exclude-standard --directory
+  find . -path ./.git -prune -o -type d -empty -printf '%P/\\n'
+}} | sort -u | head -n {int(cap)}
+"""
+
+
 def capped_patch(git: str = "git") -> str:
     """Script: $1 = base commit, $2 = cap in bytes, $3 = the repository's info/exclude as
     it was made (the image's lines and GIT_EXCLUDES). Prints at most cap + 1 bytes of

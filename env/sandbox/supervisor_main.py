@@ -31,12 +31,14 @@ directory and the host paths the view names (the toolchain), a few names of /etc
 passwd and group of its own, and a few devices; no other host path is there to read,
 through a link or otherwise. Every mount is read-only except the sandbox directory (and
 a small tmpfs on /dev/shm, fresh for every command), so no host path is writable,
-whatever its permissions. Its child, the PID namespace's init, is the server: it mounts
-the namespace's own /proc (commands see only the sandbox's processes, none of the
-trainer's) and brings up a loopback of its own. Every process in the namespace but the
-server is a command's, so after a command `kill(-1, SIGKILL)` ends them all; if the
-server dies, the kernel kills every process in the namespace. The starting process waits
-for the server and exits with it; the server gets SIGKILL if the starting process dies.
+whatever its permissions; and nosuid. Every command (isolated or not) runs under
+no_new_privs: a setuid program of the toolchain runs with the command's uid. The
+starting process's child, the PID namespace's init, is the server: it mounts the
+namespace's own /proc (commands see only the sandbox's processes, none of the trainer's)
+and brings up a loopback of its own. Every process in the namespace but the server is a
+command's, so after a command `kill(-1, SIGKILL)` ends them all; if the server dies, the
+kernel kills every process in the namespace. The starting process waits for the server
+and exits with it; the server gets SIGKILL if the starting process dies.
 
 Not isolated: the server marks itself a child subreaper (prctl), so every orphaned
 descendant is re-parented to it rather than to PID 1, and after each command SIGKILLs
@@ -71,7 +73,7 @@ import sys
 import time
 import warnings  # noqa: F401 - os.execvp imports it; after setuid the stdlib may be unreadable
 
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 KILL_ROUNDS = 2000
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
@@ -82,7 +84,7 @@ OOM_SCORE_ADJ = 1000  # a command's: the first the OOM killer ends, in its cgrou
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 DEVICE_LINKS = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
                 "stderr": "/proc/self/fd/2"}
-SYS_MOUNT_SETATTR, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, 0x8000, 0x1
+SYS_MOUNT_SETATTR, AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = 442, 0x8000, 0x1, 0x2
 SIOCSIFFLAGS, IFF_UP = 0x8914, 0x1
 SHM_OPTIONS = "size=64m,mode=1777"
 MAX_FDS = 1 << 20
@@ -107,10 +109,9 @@ def _mount(source, target, fstype, flags, data=None):
            f"mount {target}")
 
 
-def _set_readonly(path, readonly):
+def _set_mount_attr(path, set_flags, clear_flags):
     """mount_setattr(2) on `path` and every mount below it."""
-    attr = struct.pack("QQQQ", MOUNT_ATTR_RDONLY if readonly else 0,
-                       0 if readonly else MOUNT_ATTR_RDONLY, 0, 0)
+    attr = struct.pack("QQQQ", set_flags, clear_flags, 0, 0)
     _check(_libc.syscall(SYS_MOUNT_SETATTR, -100, path.encode(), AT_RECURSIVE, attr, len(attr)),
            f"mount_setattr {path}")
 
@@ -125,8 +126,9 @@ def _enter_namespaces(sandbox_dir, view):
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     cwd = os.getcwd()
     _new_root(sandbox_dir, view)
-    _set_readonly("/", True)
-    _set_readonly(sandbox_dir, False)
+    # nosuid: a setuid program of the toolchain (su, passwd) runs as the command's uid.
+    _set_mount_attr("/", MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0)
+    _set_mount_attr(sandbox_dir, 0, MOUNT_ATTR_RDONLY)
     os.chdir(cwd)
     _fresh_shm()
 
@@ -315,6 +317,9 @@ def _exec_child(cfg, request, fds):
             os.setgroups([])
             os.setgid(cfg["gid"])
             os.setuid(cfg["uid"])
+        # No exec of the command's gains a privilege (setuid, setgid, file capabilities),
+        # isolated or not, whatever the mounts allow.
+        _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl")
         for name, value in cfg["rlimits"].items():
             if name == "RLIMIT_NPROC" and cfg["uid"] is None:
                 value += _user_process_count(os.getuid())

@@ -1,4 +1,4 @@
-"""Validation of the repository-relative paths sandboxes accept."""
+"""Validation of the repository-relative paths task rows and sandboxes accept."""
 
 from __future__ import annotations
 
