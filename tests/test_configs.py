@@ -76,6 +76,8 @@ CHANGES = {
                "rollout.max_context", "engine.max_len", "learner.row_buckets",
                "ps.remaining_ratio"},
     "revisit": {"ps.revisit"},
+    "decide": {"env.difficulties", "sft.imperfect_share", "rollout.temperature",
+               "learner.temperature"},
     "server": {"engine.kind", "engine.sglang.command", "engine.sglang.env",
                "engine.sglang.export_dtype",
                "engine.sglang.health_timeout_s", "engine.sglang.host_gpus",
