@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", help="exported tensors (the server's)")
     p.add_argument("--command", default=SERVER, help="server command template "
-                   "(inference.sglang.LauncherConfig.command)")
+                   "(inference.launcher.LauncherConfig.command)")
     p.add_argument("--mem-fraction", type=float, default=0.4,
                    help="XLA_PYTHON_CLIENT_MEM_FRACTION of this process and of the server")
     p.add_argument("--context-length", type=int, default=128)
@@ -61,6 +61,7 @@ async def measure(args) -> dict:
     from flax import nnx
 
     from configs import common
+    from inference import launcher as launchers
     from inference import sglang
     from models import hf_io, qwen3
 
@@ -73,18 +74,18 @@ async def measure(args) -> dict:
     workdir = tempfile.mkdtemp(prefix="weight_sync_")
     init = os.path.join(workdir, "init")
     hf_io.save_hf(params, cfg, init, dtype=args.dtype)
-    launcher = sglang.SGLangLauncher(sglang.LauncherConfig(
+    launcher = launchers.SGLangLauncher(launchers.LauncherConfig(
         model_path=init, command=args.command, context_length=args.context_length,
         startup_timeout=args.startup_timeout, log_path=os.path.join(workdir, "server.log"),
         env={"XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction),
              # the project's own server imports this repository (LauncherConfig)
-             **({"PYTHONPATH": sglang.REPOSITORY} if "-m inference.server" in args.command
+             **({"PYTHONPATH": launchers.REPOSITORY} if "-m inference.server" in args.command
                 else {})}))
     t0 = time.perf_counter()
     launcher.start()  # a server that fails to start is closed there
     _log(f"server healthy in {time.perf_counter() - t0:.0f} s (log {launcher.log_path})")
     try:  # the server and the exported files go whatever fails
-        info = sglang.server_info(launcher.url)
+        info = launchers.server_info(launcher.url)
         client_cfg = sglang.SGLangConfig(**{**common.sglang_defaults(),
                                             "export_dtype": args.dtype,
                                             "export_dir": os.path.join(workdir, "exports")})

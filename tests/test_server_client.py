@@ -21,13 +21,8 @@ from flax import nnx
 from inference import build as engines
 from inference.embedded import EmbeddedEngine
 from inference.engine import ContextLengthError, EngineError, GenerateRequest
-from inference.sglang import (
-    REPOSITORY,
-    LauncherConfig,
-    SGLangClient,
-    SGLangLauncher,
-    free_port,
-)
+from inference.launcher import REPOSITORY, LauncherConfig, SGLangLauncher, free_port
+from inference.sglang import SGLangClient
 from models import hf_io
 from models.qwen3 import Qwen3, Qwen3Config
 from tests.owners import engine_options, sglang_config

@@ -10,7 +10,7 @@ from flax import nnx
 
 from configs.common import apply_overrides, load_config
 from inference import build as engines
-from inference import sglang
+from inference import launcher, sglang
 from inference.engine import BrokenSampleError, ContextLengthError, EngineError, GenerateRequest
 from models.qwen3 import Qwen3, Qwen3Config
 from models.tokenizer import train_bpe
@@ -239,24 +239,24 @@ def test_nan_finish_is_a_broken_sample():
 
 def test_startup_checks_refuse_with_the_numbers():
     ok = {"version": "0.5.3", "context_length": 40960, "enable_deterministic_inference": True}
-    sglang.check_server("u", ok, 40960, seeded=True)
+    launcher.check_server("u", ok, 40960, seeded=True)
     with pytest.raises(EngineError, match=r"at most 32768 tokens .*max_context is 40960"):
-        sglang.check_server("u", {**ok, "context_length": 32768}, 40960, seeded=True)
+        launcher.check_server("u", {**ok, "context_length": 32768}, 40960, seeded=True)
     with pytest.raises(EngineError, match="0.4.9"):
-        sglang.check_server("u", {**ok, "version": "0.4.9"}, 1024, seeded=False)
+        launcher.check_server("u", {**ok, "version": "0.4.9"}, 1024, seeded=False)
     with pytest.raises(EngineError, match="enable-deterministic-inference"):
-        sglang.check_server("u", {**ok, "version": "0.5.2"}, 1024, seeded=True)
+        launcher.check_server("u", {**ok, "version": "0.5.2"}, 1024, seeded=True)
     with pytest.raises(EngineError, match="enable_deterministic_inference=False"):
-        sglang.check_server("u", {**ok, "enable_deterministic_inference": False}, 1024,
+        launcher.check_server("u", {**ok, "enable_deterministic_inference": False}, 1024,
                             seeded=True)
-    sglang.check_server("u", {**ok, "version": "0.5.2"}, 1024, seeded=False)
+    launcher.check_server("u", {**ok, "version": "0.5.2"}, 1024, seeded=False)
 
     async def body(stubs):
-        return await asyncio.to_thread(sglang.server_info, stubs[0].url)
+        return await asyncio.to_thread(launcher.server_info, stubs[0].url)
 
     info = run(with_stubs(1, body, version="0.5.4rc1", context_length=512))
-    assert sglang.parse_version(info["version"]) == (0, 5, 4)
-    assert sglang.server_context_length(info) == (512, "context_length")
+    assert launcher.parse_version(info["version"]) == (0, 5, 4)
+    assert launcher.server_context_length(info) == (512, "context_length")
 
 
 def test_unseeded_client_sends_no_seed():
@@ -294,7 +294,7 @@ def test_recipe_placement_shares_no_gpu(recipe):
         assert line[0] == "CUDA_VISIBLE_DEVICES=" + ",".join(map(str, server["gpus"]))
         assert "--context-length" in line and line[line.index("--context-length") + 1] == \
             str(config.rollout.max_context)
-        assert sglang.DETERMINISTIC_FLAG in line
+        assert launcher.DETERMINISTIC_FLAG in line
 
 
 def test_launcher_python_env_and_flags_from_config():
@@ -308,7 +308,7 @@ def test_launcher_python_env_and_flags_from_config():
     assert line[:4] == ["A=b=c", "CUDA_VISIBLE_DEVICES=4,5", "HF_HOME=/x", "PYTHONSAFEPATH=1"]
     assert line[4:7] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
     assert line[-3:] == ["--dtype", "bfloat16", "--x"]
-    assert sglang.DETERMINISTIC_FLAG not in line
+    assert launcher.DETERMINISTIC_FLAG not in line
     assert line[line.index("--context-length") + 1] == "32768"
     apply_overrides(config, {"engine.sglang.ports": tuple(range(30000, 30004))})
     with pytest.raises(ValueError, match="8 GPUs leave none of host_gpus=8"):
