@@ -30,8 +30,10 @@ OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, server=Fa
 # this repository, which a launched server has off its sys.path unless its env says so.
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_COMMAND = ("{python} -m inference.server --model-path {model_path} --port {port} "
-                  "--host {host} --context-length {context_length} --max-batch 64 "
-                  "--min-batch 8 --min-len 64 --prefix-cache-tokens 262144")
+                  "--host {host} --context-length {context_length}")
+# The engine section's keys the server takes as flags (its --context-length is max_len).
+SERVER_OPTIONS = ("max_batch", "min_batch", "min_len", "min_cache_len", "prefix_cache_tokens",
+                  "chunk_steps", "min_chunk_steps")
 
 
 def get_config(arg=None):
@@ -156,13 +158,24 @@ def get_config(arg=None):
         # Weights reach the sampler through exports and reloads, as with SGLang; the
         # ratio uses the learner's old log-probs, with TIS against the sampler's.
         c.engine.kind = "sglang"
-        c.engine.sglang.update(launch=True, ports=(31000,), host_gpus=0, command=SERVER_COMMAND,
+        c.engine.sglang.update(launch=True, ports=(31000,), host_gpus=0,
+                               command=server_command(c.engine),
                                env=(f"PYTHONPATH={REPOSITORY}",), export_dtype="float32",
                                health_timeout_s=300.0)
         c.learner.loss.old_logprobs, c.learner.loss.tis_cap = "learner", 2.0
     if arg.steps:
         c.total_steps = arg.steps
     return common.lock(c)
+
+
+def server_command(engine):
+    """The server's command with the engine section's options as flags, each a reference
+    to its key: the launched server runs the engine the config describes, overrides
+    (--set engine.min_cache_len=...) included."""
+    command = SERVER_COMMAND
+    for key in SERVER_OPTIONS:
+        command = command + f" --{key.replace('_', '-')} " + engine.get_ref(key).to_str()
+    return command
 
 
 # The graded family: a difficulty that rises along the trajectory. A two-bug task (mini-SWE

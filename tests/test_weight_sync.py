@@ -317,6 +317,24 @@ def test_launcher_python_env_and_flags_from_config():
     assert engines.placement(_engine(config))["learner_gpus"] == list(range(8))
 
 
+@pytest.mark.parametrize("override", [{}, {"engine.min_cache_len": 128, "engine.max_batch": 16}])
+def test_launched_server_runs_the_configs_engine(override):
+    """The default config's `server` option launches inference.server with the engine
+    section's options (it used the server's own min_cache_len, 1, for the config's 256),
+    overrides included."""
+    import dataclasses
+
+    from inference import server
+    from inference.embedded import EmbeddedOptions
+
+    config = apply_overrides(load_config("configs/default.py:server"), override)
+    (line,) = _launch_commands(config)
+    argv = line[line.index("inference.server") + 1:]
+    expected = dataclasses.replace(EmbeddedOptions.from_section(config.engine),
+                                   max_len=config.rollout.max_context)
+    assert server.engine_options(server.parse_args(argv)) == expected
+
+
 def test_learner_devices_restricted_to_the_rest():
     import jax
 
