@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -74,9 +75,12 @@ async def measure(args) -> dict:
     workdir = tempfile.mkdtemp(prefix="weight_sync_")
     init = os.path.join(workdir, "init")
     hf_io.save_hf(params, cfg, init, dtype=args.dtype)
-    launcher = launchers.SGLangLauncher(launchers.LauncherConfig(
-        model_path=init, command=args.command, context_length=args.context_length,
-        startup_timeout=args.startup_timeout, log_path=os.path.join(workdir, "server.log"),
+    section = sglang.SGLangConfig(**{**common.sglang_defaults(), "export_dtype": args.dtype,
+                                     "export_dir": os.path.join(workdir, "exports")})
+    launcher = launchers.SGLangLauncher(dataclasses.replace(
+        launchers.LauncherConfig.from_section(section, init, 0, args.context_length),
+        command=args.command, startup_timeout=args.startup_timeout,
+        log_path=os.path.join(workdir, "server.log"),
         env={"XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction),
              # the project's own server imports this repository (LauncherConfig)
              **({"PYTHONPATH": launchers.REPOSITORY} if "-m inference.server" in args.command
@@ -86,10 +90,7 @@ async def measure(args) -> dict:
     _log(f"server healthy in {time.perf_counter() - t0:.0f} s (log {launcher.log_path})")
     try:  # the server and the exported files go whatever fails
         info = launchers.server_info(launcher.url)
-        client_cfg = sglang.SGLangConfig(**{**common.sglang_defaults(),
-                                            "export_dtype": args.dtype,
-                                            "export_dir": os.path.join(workdir, "exports")})
-        client = sglang.SGLangClient([launcher.url], client_cfg, model_config=cfg,
+        client = sglang.SGLangClient([launcher.url], section, model_config=cfg,
                                      launchers=[launcher])
         try:
             updates, outputs = await _updates(client, params, args.updates)

@@ -44,7 +44,9 @@ DETERMINISTIC_FLAG = "--enable-deterministic-inference"
 
 @dataclasses.dataclass
 class LauncherConfig:
-    """How to start one server.
+    """How to start one server: the `engine.sglang` section's launch keys
+    (`from_section`) for one port, its GPUs and context length. The fields that come from
+    the section have no defaults of their own (the config is their one source).
 
     model_path: HF directory (or hub id) of the served model.
     port: TCP port; 0 picks a free one.
@@ -73,21 +75,33 @@ class LauncherConfig:
     `env={"PYTHONPATH": <repository root>}`.
     """
 
-    model_path: str = ""
-    port: int = 0
-    host: str = "127.0.0.1"
-    tp_size: int = 1
-    mem_fraction_static: float = 0.85
-    context_length: int = 40960
-    gpus: Sequence[int] = ()
-    deterministic: bool = False
-    extra_args: Sequence[str] = ()
-    command: str = SGLANG_COMMAND
-    python: str = ""
+    model_path: str
+    port: int
+    host: str
+    tp_size: int
+    mem_fraction_static: float
+    context_length: int
+    gpus: Sequence[int]
+    deterministic: bool
+    extra_args: Sequence[str]
+    command: str
+    python: str
+    startup_timeout: float
+    env: Mapping[str, str]
     log_path: str | None = None
-    startup_timeout: float = 900.0
-    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cwd: str = ""
+
+    @classmethod
+    def from_section(cls, sg: SGLangConfig, model_path: str, port: int, context_length: int,
+                     gpus: Sequence[int] = ()) -> LauncherConfig:
+        """One server of `sg` on `port`; SGLang's --context-length is `sg.context_length`
+        or `context_length` (the run's rollout.max_context)."""
+        return cls(model_path=model_path, port=int(port), host=sg.host, tp_size=int(sg.tp_size),
+                   mem_fraction_static=float(sg.mem_fraction_static),
+                   context_length=int(sg.context_length or context_length), gpus=tuple(gpus),
+                   deterministic=bool(sg.deterministic), extra_args=tuple(sg.extra_args),
+                   command=sg.command or SGLANG_COMMAND, python=sg.python,
+                   startup_timeout=float(sg.health_timeout_s), env=_env_entries(sg.env))
 
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,7 +116,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 class SGLangLauncher:
     """Runs one server process; a context manager.
 
-    cfg: a LauncherConfig, or a mapping with its fields.
+    cfg: a LauncherConfig, or a mapping with its fields (all but log_path and cwd).
     """
 
     def __init__(self, cfg):
@@ -342,14 +356,9 @@ def launchers(sg: SGLangConfig, model_path: str, max_context: int) -> list[SGLan
     """One launcher per `sg.ports` serving `model_path` (not started), on its GPUs
     (`placement`); SGLang's --context-length is `sg.context_length` or `max_context`."""
     gpus = {s["port"]: s["gpus"] for s in placement(sg)["servers"]}
-    return [SGLangLauncher(LauncherConfig(
-        model_path=model_path, port=int(port), host=sg.host, tp_size=int(sg.tp_size),
-        mem_fraction_static=float(sg.mem_fraction_static),
-        context_length=int(sg.context_length or max_context),
-        gpus=tuple(gpus.get(int(port), ())), deterministic=bool(sg.deterministic),
-        extra_args=tuple(sg.extra_args), command=sg.command or SGLANG_COMMAND,
-        python=sg.python, env=_env_entries(sg.env), startup_timeout=float(sg.health_timeout_s)))
-        for port in sg.ports]
+    return [SGLangLauncher(LauncherConfig.from_section(sg, model_path, port, max_context,
+                                                       gpus.get(int(port), ())))
+            for port in sg.ports]
 
 
 def _env_entries(entries: Sequence[str]) -> dict[str, str]:

@@ -64,7 +64,7 @@ class ServerError(Exception):
     """A server failed in a way worth retrying elsewhere (connection, timeout, 5xx)."""
 
 
-def request_payload(req: GenerateRequest, seeded: bool = True) -> dict[str, Any]:
+def request_payload(req: GenerateRequest, seeded: bool) -> dict[str, Any]:
     """GenerateRequest -> SGLang /generate body (token ids in, log-probs of outputs).
     seeded: send `sampling_seed` (SGLang >= 0.5.3 with --enable-deterministic-inference)."""
     sampling = {"max_new_tokens": req.max_new_tokens, "temperature": req.temperature,

@@ -6,6 +6,7 @@ import dataclasses
 from configs import common, default
 from env.config import EnvConfig
 from inference.embedded import SMALLEST, EmbeddedOptions
+from inference.launcher import LauncherConfig
 from inference.sglang import SGLangConfig
 from rl.algos import AlgoConfig
 from rl.learner import LearnerConfig
@@ -31,6 +32,15 @@ def engine_options(**values) -> EmbeddedOptions:
 
 def sglang_config(**values) -> SGLangConfig:
     return SGLangConfig(**{**SGLANG, **values})
+
+
+def launcher_config(**values) -> LauncherConfig:
+    """One server of the default config's engine.sglang section (seeded, its flag
+    included), on a free port, with no GPUs and the default rollout.max_context, with the
+    values a test sets."""
+    section = LauncherConfig.from_section(sglang_config(), model_path="", port=0,
+                                          context_length=SECTION.max_context)
+    return dataclasses.replace(section, **values)
 
 
 def learner_config(optim=None, loss=None, **values) -> LearnerConfig:

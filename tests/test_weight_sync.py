@@ -261,7 +261,7 @@ def test_startup_checks_refuse_with_the_numbers():
 
 def test_unseeded_client_sends_no_seed():
     req = GenerateRequest([1], 2, seed=3)
-    assert sglang.request_payload(req)["sampling_params"]["sampling_seed"] == 3
+    assert sglang.request_payload(req, seeded=True)["sampling_params"]["sampling_seed"] == 3
     assert "sampling_seed" not in sglang.request_payload(req, seeded=False)["sampling_params"]
 
 
