@@ -43,18 +43,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from inference.embedded import EmbeddedEngine, EmbeddedOptions
+from inference.embedded import SMALLEST, EmbeddedEngine, EmbeddedOptions
 from inference.engine import GenerateRequest
 from models import hf_io, qwen3
 
 
 def options(max_batch: int, max_len: int) -> EmbeddedOptions:
-    """The engine measured here: `max_batch` rows of `max_len`, the smallest buckets (one
-    row, 16 tokens, any window) and no prefix cache, so every batch size compiles its
-    own shapes."""
-    return EmbeddedOptions(max_batch=max_batch, max_len=max_len, min_batch=1, min_len=16,
-                           min_cache_len=1, prefix_cache_tokens=0, chunk_steps=32,
-                           min_chunk_steps=0)
+    """The engine measured here: `max_batch` rows of `max_len`, otherwise the smallest
+    (inference.embedded.SMALLEST: one-row, 16-token buckets, any window, no prefix cache),
+    so every batch size compiles its own shapes."""
+    return dataclasses.replace(SMALLEST, max_batch=max_batch, max_len=max_len)
 
 
 def _log(*args):

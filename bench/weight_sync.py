@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ def main(argv=None) -> dict:
     p.add_argument("--updates", type=int, default=3)
     p.add_argument("--dtype", default="bfloat16", help="exported tensors (the server's)")
     p.add_argument("--command", default=SERVER, help="server command template "
-                   "(inference.sglang.LauncherConfig.command)")
+                   "(inference.launcher.LauncherConfig.command)")
     p.add_argument("--mem-fraction", type=float, default=0.4,
                    help="XLA_PYTHON_CLIENT_MEM_FRACTION of this process and of the server")
     p.add_argument("--context-length", type=int, default=128)
@@ -61,6 +62,7 @@ async def measure(args) -> dict:
     from flax import nnx
 
     from configs import common
+    from inference import launcher as launchers
     from inference import sglang
     from models import hf_io, qwen3
 
@@ -73,22 +75,22 @@ async def measure(args) -> dict:
     workdir = tempfile.mkdtemp(prefix="weight_sync_")
     init = os.path.join(workdir, "init")
     hf_io.save_hf(params, cfg, init, dtype=args.dtype)
-    launcher = sglang.SGLangLauncher(sglang.LauncherConfig(
-        model_path=init, command=args.command, context_length=args.context_length,
-        startup_timeout=args.startup_timeout, log_path=os.path.join(workdir, "server.log"),
+    section = sglang.SGLangConfig(**{**common.sglang_defaults(), "export_dtype": args.dtype,
+                                     "export_dir": os.path.join(workdir, "exports")})
+    launcher = launchers.SGLangLauncher(dataclasses.replace(
+        launchers.LauncherConfig.from_section(section, init, 0, args.context_length),
+        command=args.command, startup_timeout=args.startup_timeout,
+        log_path=os.path.join(workdir, "server.log"),
         env={"XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction),
              # the project's own server imports this repository (LauncherConfig)
-             **({"PYTHONPATH": sglang.REPOSITORY} if "-m inference.server" in args.command
+             **({"PYTHONPATH": launchers.REPOSITORY} if "-m inference.server" in args.command
                 else {})}))
     t0 = time.perf_counter()
     launcher.start()  # a server that fails to start is closed there
     _log(f"server healthy in {time.perf_counter() - t0:.0f} s (log {launcher.log_path})")
     try:  # the server and the exported files go whatever fails
-        info = sglang.server_info(launcher.url)
-        client_cfg = sglang.SGLangConfig(**{**common.sglang_defaults(),
-                                            "export_dtype": args.dtype,
-                                            "export_dir": os.path.join(workdir, "exports")})
-        client = sglang.SGLangClient([launcher.url], client_cfg, model_config=cfg,
+        info = launchers.server_info(launcher.url)
+        client = sglang.SGLangClient([launcher.url], section, model_config=cfg,
                                      launchers=[launcher])
         try:
             updates, outputs = await _updates(client, params, args.updates)

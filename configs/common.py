@@ -210,9 +210,9 @@ def sglang_defaults() -> dict[str, Any]:
 
     urls: servers already running (on other hosts; the learner keeps every local GPU).
       When empty and `launch` is true, one server per entry of `ports` is started
-      (see inference.sglang.SGLangLauncher) on the last len(ports) * tp_size of the
+      (see inference.launcher.SGLangLauncher) on the last len(ports) * tp_size of the
       host's `host_gpus` GPUs, and the learner's JAX devices are the rest
-      (inference.sglang.placement); they are torn down at exit.
+      (inference.launcher.placement); they are torn down at exit.
     command / python / env / extra_args: the launch command template (default
       `{python} -m sglang.launch_server ...`), its interpreter (default this one),
       "KEY=VALUE" environment entries and extra flags.

@@ -32,8 +32,10 @@ OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, server=Fa
 # this repository, which a launched server has off its sys.path unless its env says so.
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERVER_COMMAND = ("{python} -m inference.server --model-path {model_path} --port {port} "
-                  "--host {host} --context-length {context_length} --max-batch 64 "
-                  "--min-batch 8 --min-len 64 --prefix-cache-tokens 262144")
+                  "--host {host} --context-length {context_length}")
+# The engine section's keys the server takes as flags (its --context-length is max_len).
+SERVER_OPTIONS = ("max_batch", "min_batch", "min_len", "min_cache_len", "prefix_cache_tokens",
+                  "chunk_steps", "min_chunk_steps")
 
 
 def get_config(arg=None):
@@ -85,7 +87,14 @@ def get_config(arg=None):
     # the fix in the part the policy writes.
     c.ps.remaining_ratio = 0.75
     c.spo = common.spo_defaults()
+    _learner(c)
+    _sft(c)
+    _schedule(c)
+    _options(c, arg)
+    return common.lock(c)
 
+
+def _learner(c) -> None:
     c.learner = common.learner_defaults()
     c.learner.seed = c.get_ref("seed")
     # Rollouts sample at T=0.5: from a 256-step warm start T=0.5 passes 0.3-0.4 of the
@@ -105,6 +114,8 @@ def get_config(arg=None):
     # padded to multiples of 8 they take at most 6 shapes.
     c.learner.rows_multiple = 8
 
+
+def _sft(c) -> None:
     # 512 different tasks, 8 epochs; the lr decays (cosine) to 0 over the SFT steps. 128
     # steps leave a policy that cannot copy the buggy line into `old_str` (0.10-0.15 on
     # held-out tasks); 256 reach 0.43-0.47 with 30% imperfect demonstrations.
@@ -117,6 +128,9 @@ def get_config(arg=None):
     c.sft = dict(steps=256, batch_size=16, lr=3e-3, warmup_steps=10, end_lr_frac=0.0,
                  num_demos=512, imperfect_share=0.6)
 
+
+def _schedule(c) -> None:
+    """Evaluation, checkpoints, logs and the env-error stop."""
     c.eval_every = 4
     c.eval_temperature = 0.0  # greedy held-out evaluation
     c.ckpt_every = 5
@@ -130,6 +144,9 @@ def get_config(arg=None):
     # rollouts were all env errors (nothing scored, nothing trained); 0: never stop.
     c.max_env_error_steps = 3
 
+
+def _options(c, arg) -> None:
+    """The options after the colon (`OPTIONS`), in the order they apply."""
     if arg.graded:
         graded(c)
     if arg.decide:
@@ -157,16 +174,29 @@ def get_config(arg=None):
         if arg.spo:
             c.batch_tasks = 4
     if arg.server:
-        # Weights reach the sampler through exports and reloads, as with SGLang; the
-        # ratio uses the learner's old log-probs, with TIS against the sampler's.
-        c.engine.kind = "sglang"
-        c.engine.sglang.update(launch=True, ports=(31000,), host_gpus=0, command=SERVER_COMMAND,
-                               env=(f"PYTHONPATH={REPOSITORY}",), export_dtype="float32",
-                               health_timeout_s=300.0)
-        c.learner.loss.old_logprobs, c.learner.loss.tis_cap = "learner", 2.0
+        _server(c)
     if arg.steps:
         c.total_steps = arg.steps
-    return common.lock(c)
+
+
+def _server(c) -> None:
+    # Weights reach the sampler through exports and reloads, as with SGLang; the ratio
+    # uses the learner's old log-probs, with TIS against the sampler's.
+    c.engine.kind = "sglang"
+    c.engine.sglang.update(launch=True, ports=(31000,), host_gpus=0,
+                           command=server_command(c.engine), env=(f"PYTHONPATH={REPOSITORY}",),
+                           export_dtype="float32", health_timeout_s=300.0)
+    c.learner.loss.old_logprobs, c.learner.loss.tis_cap = "learner", 2.0
+
+
+def server_command(engine):
+    """The server's command with the engine section's options as flags, each a reference
+    to its key: the launched server runs the engine the config describes, overrides
+    (--set engine.min_cache_len=...) included."""
+    command = SERVER_COMMAND
+    for key in SERVER_OPTIONS:
+        command = command + f" --{key.replace('_', '-')} " + engine.get_ref(key).to_str()
+    return command
 
 
 # The graded family: a difficulty that rises along the trajectory. A two-bug task (mini-SWE

@@ -73,7 +73,14 @@ def get_config(arg=None, options=OPTIONS):
 
     c.ps = common.prefix_defaults(enabled=False)
     c.spo = common.spo_defaults()
+    _learner(c)
+    c.sft = dict(steps=0, batch_size=0, lr=0.0, warmup_steps=0, end_lr_frac=0.0, num_demos=0,
+                 imperfect_share=0.0)
+    _schedule(c)
+    return common.lock(c)
 
+
+def _learner(c) -> None:
     c.learner = common.learner_defaults()
     c.learner.seed = c.get_ref("seed")
     c.learner.temperature = c.rollout.get_ref("temperature")
@@ -91,9 +98,9 @@ def get_config(arg=None, options=OPTIONS):
     # sampler's (rl.loss.offpolicy_weights).
     c.learner.loss.old_logprobs, c.learner.loss.tis_cap = "learner", 2.0
 
-    c.sft = dict(steps=0, batch_size=0, lr=0.0, warmup_steps=0, end_lr_frac=0.0, num_demos=0,
-                 imperfect_share=0.0)
 
+def _schedule(c) -> None:
+    """Evaluation, checkpoints, logs and the env-error stop."""
     c.eval_every = 10
     c.eval_temperature = 0.0
     c.ckpt_every = 5
@@ -106,4 +113,3 @@ def get_config(arg=None, options=OPTIONS):
     # Stop, with an error and a non-zero exit, after this many RL steps in a row whose
     # rollouts were all env errors (nothing scored, nothing trained); 0: never stop.
     c.max_env_error_steps = 3
-    return common.lock(c)

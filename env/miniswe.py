@@ -226,6 +226,18 @@ class _Repo:
         return f"{self.helper if fn in self.helper_fns else self.caller}.py"
 
 
+@dataclasses.dataclass
+class _Draw:
+    """What a task breaks: in `repo`, the functions `broken` at their `buggy` sites (name ->
+    choice), the caller function the statement names (or None), at `difficulty`."""
+
+    repo: _Repo
+    broken: list[Fn]
+    buggy: dict[str, int]
+    named: Fn | None
+    difficulty: int
+
+
 def _pick_repo(rng: random.Random) -> _Repo:
     helper = rng.choice(sorted(HELPERS))
     caller, bank = CALLERS[helper]
@@ -270,7 +282,8 @@ def _generate_one(rng: random.Random, difficulty: int, instance_id: str) -> Task
             break
     else:
         return None
-    return _assemble(repo, broken, buggy, named, cases, expected, difficulty, instance_id)
+    return _assemble(_Draw(repo, broken, buggy, named, difficulty), cases, expected,
+                     instance_id)
 
 
 def _fails(ns: dict[str, Any], cases: dict[str, list[tuple]], expected: dict) -> list[str]:
@@ -280,8 +293,8 @@ def _fails(ns: dict[str, Any], cases: dict[str, list[tuple]], expected: dict) ->
                    for a, want in zip(args, expected[name], strict=True))]
 
 
-def _assemble(repo: _Repo, broken: list[Fn], buggy: dict[str, int], named: Fn | None,
-              cases: dict, expected: dict, difficulty: int, instance_id: str) -> Task | None:
+def _assemble(draw: _Draw, cases: dict, expected: dict, instance_id: str) -> Task | None:
+    repo, buggy, named = draw.repo, draw.buggy, draw.named
     imports = f"from {repo.helper} import {', '.join(f.name for f in repo.helper_fns)}"
     caller_imports = imports if any(f.uses for f in repo.caller_fns) else ""
     files, fixed_files = {".gitignore": GITIGNORE}, {}
@@ -290,8 +303,9 @@ def _assemble(repo: _Repo, broken: list[Fn], buggy: dict[str, int], named: Fn | 
         files[f"{module}.py"] = _render_module(fns, buggy, imp)
         fixed_files[f"{module}.py"] = _render_module(fns, {}, imp)
         files[f"test_{module}.py"] = _render_test(module, fns, cases, expected)
-    bugs = [b for f in broken if (b := _bug(repo, f, buggy[f.name], files, cases, expected))]
-    if len(bugs) != len(broken):
+    bugs = [b for f in draw.broken
+            if (b := _bug(repo, f, buggy[f.name], files, cases, expected))]
+    if len(bugs) != len(draw.broken):
         return None
     failing = set(_fails(_namespace(repo.fns, buggy), cases, expected))
     test_ids = [f"test_{m}.Test{m.capitalize()}.test_{f.name}"
@@ -299,7 +313,7 @@ def _assemble(repo: _Repo, broken: list[Fn], buggy: dict[str, int], named: Fn | 
                 for f in fns]
     gold = "".join(unified_diff(p, files[p], fixed_files[p])
                    for p in sorted(files) if p in fixed_files and files[p] != fixed_files[p])
-    statement = _statement(difficulty, bugs, named, repo, cases, expected, buggy)
+    statement = _statement(draw, bugs, cases, expected)
     if statement is None:
         return None
     return Task(
@@ -314,7 +328,7 @@ def _assemble(repo: _Repo, broken: list[Fn], buggy: dict[str, int], named: Fn | 
         gold_patch=gold,
         test_files=[f"test_{repo.helper}.py", f"test_{repo.caller}.py"],
         split="miniswe",
-        difficulty=difficulty,
+        difficulty=draw.difficulty,
         metadata={"bugs": [dataclasses.asdict(b) for b in bugs],
                   "named": named.name if named else "",
                   "named_path": repo.path_of(named) if named else ""},
@@ -338,15 +352,15 @@ def _bug(repo: _Repo, fn: Fn, choice: int, files: dict[str, str], cases: dict,
     return Bug(path, fn.name, buggy, fixed, tuple(wrong))
 
 
-def _statement(difficulty: int, bugs: list[Bug], named: Fn | None, repo: _Repo, cases: dict,
-               expected: dict, buggy: dict[str, int]) -> str | None:
+def _statement(draw: _Draw, bugs: list[Bug], cases: dict, expected: dict) -> str | None:
     """The task text; None when the described function shows no failing case (the
     failure only surfaces elsewhere), so the caller draws another task."""
+    difficulty, named, repo = draw.difficulty, draw.named, draw.repo
     if difficulty == 2:
         return f"Some unit tests fail. Run them with `{TEST_RUN}`, find the bug and fix it."
     subject = named if named is not None else next(
         f for f in repo.fns if f.name == bugs[0].function)
-    ns = _namespace(repo.fns, buggy)
+    ns = _namespace(repo.fns, draw.buggy)
     failing = [(a, w) for a, w in zip(cases[subject.name], expected[subject.name], strict=True)
                if _call(ns, subject.name, a) != w]
     if not failing:

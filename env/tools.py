@@ -403,11 +403,12 @@ class ToolBox:
     def _finish(self, message: str = "") -> ToolResult:
         return ToolResult("Episode finished." + (f" {message}" if message else ""), done=True)
 
-    def _file_editor(self, command: str, path: str, file_text: str | None = None,
-                     old_str: str | None = None, new_str: str | None = None,
-                     insert_line: int | None = None, view_range: list[int] | None = None,
-                     line_range: list[int] | None = None) -> ToolResult:
+    def _file_editor(self, command: str, path: str, **edit) -> ToolResult:
+        """edit: the call's other arguments (file_text, old_str, new_str, insert_line,
+        view_range, line_range), names and types checked against the schema by
+        validate_call."""
         rel = self.resolve(path)
+        view_range, line_range = edit.get("view_range"), edit.get("line_range")
         if line_range is not None and command != "replace_lines":
             raise ToolCallError(
                 "ERROR: line_range is only allowed with the replace_lines command.")
@@ -416,13 +417,13 @@ class ToolBox:
         if view_range is not None:
             raise ToolCallError("ERROR: view_range is only allowed with the view command.")
         if command == "replace_lines":
-            return self._replace_lines(rel, line_range, new_str)
+            return self._replace_lines(rel, line_range, edit.get("new_str"))
         if command == "create":
-            return self._create(rel, file_text)
+            return self._create(rel, edit.get("file_text"))
         if command == "str_replace":
-            return self._str_replace(rel, old_str, new_str or "")
+            return self._str_replace(rel, edit.get("old_str"), edit.get("new_str") or "")
         if command == "insert":
-            return self._insert(rel, insert_line, new_str)
+            return self._insert(rel, edit.get("insert_line"), edit.get("new_str"))
         return self._undo(rel)
 
     def _view(self, rel: str, view_range: list[int] | None) -> ToolResult:

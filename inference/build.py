@@ -8,12 +8,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from inference import sglang
+from inference import launcher, sglang
 from inference.embedded import EmbeddedEngine, EmbeddedOptions
 from inference.engine import Engine
 
 KINDS = ("embedded", "sglang")
-Served = sglang.Served
+Served = launcher.Served
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,20 +42,20 @@ def from_config(cfg: EngineConfig, served: Served, weights: Callable[[], Any],
     if cfg.kind == "embedded":
         return EmbeddedEngine(weights(), cfg.embedded, seed=served.seed)
     if cfg.kind == "sglang":
-        return sglang.connect(cfg.sglang, served, workdir)
+        return launcher.connect(cfg.sglang, served, workdir)
     raise ValueError(f"engine.kind must be one of {KINDS}, got {cfg.kind!r}")
 
 
 def placement(cfg: EngineConfig) -> dict[str, Any]:
     """Which of the host's GPUs launched servers and the learner use
-    (inference.sglang.placement; with the embedded engine the learner has them all)."""
-    return sglang.placement(cfg.sglang)
+    (inference.launcher.placement; with the embedded engine the learner has them all)."""
+    return launcher.placement(cfg.sglang)
 
 
 def restrict_learner_devices(cfg: EngineConfig) -> list[int]:
     """Before JAX starts its backend: the learner's GPU ids, this process's JAX devices
     limited to them when it launches servers beside itself."""
-    return sglang.restrict_learner_devices(cfg.sglang)
+    return launcher.restrict_learner_devices(cfg.sglang)
 
 
 def launch_commands(cfg: EngineConfig, served: Served,
@@ -64,10 +64,10 @@ def launch_commands(cfg: EngineConfig, served: Served,
     with its environment; the model is `served.hf_path` or the export of a model trained
     from scratch under workdir."""
     model_path = served.hf_path or os.path.join(workdir, "sglang_weights", "init")
-    return sglang.launch_commands(cfg.sglang, model_path, served.max_context)
+    return launcher.launch_commands(cfg.sglang, model_path, served.max_context)
 
 
 def check_context(cfg: EngineConfig, served: Served) -> None:
     """An SGLang run's rollout.max_context fits the served model (refused up front)."""
     if cfg.kind == "sglang":
-        sglang.check_context(served.max_context, served.model_config)
+        launcher.check_context(served.max_context, served.model_config)

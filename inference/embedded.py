@@ -471,6 +471,14 @@ class EmbeddedOptions:
         return cls(**{f.name: int(engine[f.name]) for f in dataclasses.fields(cls)})
 
 
+# The embedded engine at its smallest: one-row and 16-token buckets, a window of any
+# length, no prefix cache. A standalone `inference.server`'s defaults (as SGLang's
+# launcher has its own), and the tests' and benches' engine: every batch size and length
+# compiles its own shapes, and each test chooses what it exercises.
+SMALLEST = EmbeddedOptions(max_batch=32, max_len=2048, min_batch=1, min_len=16, min_cache_len=1,
+                           prefix_cache_tokens=0, chunk_steps=32, min_chunk_steps=0)
+
+
 class EmbeddedEngine(Engine):
     """Serves a Qwen3 model in this process.
 

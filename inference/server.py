@@ -476,8 +476,21 @@ def build_engine(hf_dir: str | None, preset: str | None, seed: int,
     return engine, hf_dir
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from inference.embedded import EmbeddedOptions  # (as in build_engine)
+# The embedded engine's options on the command line, with their help; the defaults are
+# the smallest engine's (a standalone server's, as SGLang's launcher has its own); a
+# training run's engine section (--config) has those of configs.common.engine_defaults.
+OPTION_HELP = {"max_batch": "most requests generating at once",
+               "max_len": "longest prompt + output (--context-length sets it)",
+               "min_batch": "smallest batch bucket", "min_len": "smallest length bucket",
+               "min_cache_len": "smallest attention window",
+               "prefix_cache_tokens": "positions of keys/values kept for prompt-prefix reuse "
+                                      "(0: off)",
+               "chunk_steps": "most decode steps per call",
+               "min_chunk_steps": "fewest decode steps per call (0: chunk-steps // 4)"}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    from inference.embedded import SMALLEST  # (as in build_engine)
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", help="a run's config.json (train.py writes it in the workdir; "
@@ -491,31 +504,29 @@ def main(argv: Sequence[str] | None = None) -> None:
                    help="SGLang's flag: longest prompt + output (sets --max-len)")
     p.add_argument("--enable-deterministic-inference", action="store_true",
                    help="accepted for SGLang's command line; sampling is always seeded here")
-    # The command line's own defaults (a standalone server's, as SGLang's launcher has
-    # its own); a training run's engine section (--config) has the defaults of
-    # configs.common.engine_defaults.
-    p.add_argument("--max-batch", type=int, default=32)
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--min-batch", type=int, default=1, help="smallest batch bucket")
-    p.add_argument("--min-len", type=int, default=16, help="smallest length bucket")
-    p.add_argument("--min-cache-len", type=int, default=1, help="smallest attention window")
-    p.add_argument("--prefix-cache-tokens", type=int, default=0,
-                   help="positions of keys/values kept for prompt-prefix reuse (0: off)")
-    p.add_argument("--chunk-steps", type=int, default=32, help="most decode steps per call")
-    p.add_argument("--min-chunk-steps", type=int, default=0,
-                   help="fewest decode steps per call (0: chunk-steps // 4)")
-    args = p.parse_args(argv)
+    for name, text in OPTION_HELP.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(SMALLEST, name),
+                       help=text)
+    return p.parse_args(argv)
+
+
+def engine_options(args: argparse.Namespace):
+    """The EmbeddedOptions of a command line (without --config)."""
+    from inference.embedded import EmbeddedOptions  # (as in build_engine)
+
+    options = {name: getattr(args, name) for name in OPTION_HELP}
+    return EmbeddedOptions(**{**options, "max_len": args.context_length or args.max_len})
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.config:
         engine, model_path = engine_from_saved_config(args.config)
     else:
-        options = EmbeddedOptions(
-            max_batch=args.max_batch, max_len=args.context_length or args.max_len,
-            min_batch=args.min_batch, min_len=args.min_len, min_cache_len=args.min_cache_len,
-            prefix_cache_tokens=args.prefix_cache_tokens, chunk_steps=args.chunk_steps,
-            min_chunk_steps=args.min_chunk_steps)
-        engine, model_path = build_engine(args.model_path, args.preset, args.seed, None, options)
+        engine, model_path = build_engine(args.model_path, args.preset, args.seed, None,
+                                          engine_options(args))
     server = Server(engine, model_path=model_path)
     log.info("serving on http://%s:%d", args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None,

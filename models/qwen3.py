@@ -351,17 +351,19 @@ class DecoderLayer(nnx.Module):
         x = x + self.self_attn.out(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def decode(self, x, positions, slots, cache_k, cache_v, filled, angles=None):
+    def decode(self, x, positions, slots, cache, filled, angles=None):
         """Writes this step's k/v into this layer's cache buffers (KVCache's layout) in
         place and attends over the filled slots at or before each token's position.
 
-        slots: [B,T] cache index per token (S for padding: dropped); filled: [B,S] bool.
+        slots: [B,T] cache index per token (S for padding: dropped); cache: this layer's
+        (k, v) buffers, returned updated; filled: [B,S] bool.
         One token per row (T = 1), or T x S <= _DENSE_SCORES, attends densely over the
         cache; a longer prefill chunk goes through kernels.attention (on the cache
         transposed to [B,S,K,D]), which skips whole empty blocks of _CACHE_BLOCK_K
         slots. angles: the positions' rope_angles.
         """
         q, k, v = self.self_attn.qkv(self.input_layernorm(x), positions, angles)
+        cache_k, cache_v = cache
         rows = jnp.arange(x.shape[0])[:, None]
         # Advanced indices split by slices: the [B,T] index dims lead, then K, D.
         cache_k = cache_k.at[rows, :, :, slots].set(k.astype(cache_k.dtype), mode="drop")
@@ -549,7 +551,7 @@ class Qwen3(nnx.Module):
         angles = _rope_lookup(positions, max_len, self.cfg.head_dim, self.cfg.rope_theta)
         x, ks, vs = self.embed_tokens(tokens), [], []
         for layer, k, v in zip(layers, cache.k, cache.v, strict=True):
-            x, k, v = layer.decode(x, positions, slots, k, v, valid, angles)
+            x, k, v = layer.decode(x, positions, slots, (k, v), valid, angles)
             ks.append(k)
             vs.append(v)
         cache = KVCache(k=tuple(ks), v=tuple(vs), valid=valid, lengths=lengths)

@@ -1,9 +1,12 @@
 """Config owners for tests (they have no defaults of their own): the default config's
 section with the values a test sets."""
 
+import dataclasses
+
 from configs import common, default
 from env.config import EnvConfig
-from inference.embedded import EmbeddedOptions
+from inference.embedded import SMALLEST, EmbeddedOptions
+from inference.launcher import LauncherConfig
 from inference.sglang import SGLangConfig
 from rl.algos import AlgoConfig
 from rl.learner import LearnerConfig
@@ -12,10 +15,6 @@ from rl.rollout import RolloutConfig
 from rl.tracker import SPOConfig
 
 SECTION = default.get_config().rollout
-# The embedded engine at its smallest: one-row and 16-token buckets, a window of any
-# length, no prefix cache (tests choose what they exercise).
-ENGINE = dict(max_batch=32, max_len=2048, min_batch=1, min_len=16, min_cache_len=1,
-              prefix_cache_tokens=0, chunk_steps=32, min_chunk_steps=0)
 # A client that gives up after 3 retries (tests count attempts), exports to a fresh
 # temporary directory.
 SGLANG = {**default.get_config().engine.sglang, "max_retries": 3, "export_dir": ""}
@@ -26,11 +25,22 @@ def rollout_config(**values) -> RolloutConfig:
 
 
 def engine_options(**values) -> EmbeddedOptions:
-    return EmbeddedOptions(**{**ENGINE, **values})
+    """The embedded engine at its smallest (inference.embedded.SMALLEST) with the values a
+    test sets."""
+    return dataclasses.replace(SMALLEST, **values)
 
 
 def sglang_config(**values) -> SGLangConfig:
     return SGLangConfig(**{**SGLANG, **values})
+
+
+def launcher_config(**values) -> LauncherConfig:
+    """One server of the default config's engine.sglang section (seeded, its flag
+    included), on a free port, with no GPUs and the default rollout.max_context, with the
+    values a test sets."""
+    section = LauncherConfig.from_section(sglang_config(), model_path="", port=0,
+                                          context_length=SECTION.max_context)
+    return dataclasses.replace(section, **values)
 
 
 def learner_config(optim=None, loss=None, **values) -> LearnerConfig:

@@ -4,8 +4,8 @@ import contextlib
 
 from aiohttp import web
 
+from inference.launcher import free_port
 from inference.server import Server
-from inference.sglang import free_port
 
 
 @contextlib.asynccontextmanager

@@ -83,7 +83,8 @@ PRIVATE = {
     "env/sandbox": tuple(f"env.sandbox.{m}" for m in (
         "factory", "local", "docker", "fleet", "supervisor", "supervisor_main", "shell", "fsread",
         "output")),
-    "inference": ("inference.embedded", "inference.sglang"),  # engines via inference.build
+    # engines via inference.build
+    "inference": ("inference.embedded", "inference.sglang", "inference.launcher"),
 }
 PRODUCT = ("train.py", "rl", "env", "inference", "models")
 

@@ -21,16 +21,11 @@ from flax import nnx
 from inference import build as engines
 from inference.embedded import EmbeddedEngine
 from inference.engine import ContextLengthError, EngineError, GenerateRequest
-from inference.sglang import (
-    REPOSITORY,
-    LauncherConfig,
-    SGLangClient,
-    SGLangLauncher,
-    free_port,
-)
+from inference.launcher import REPOSITORY, SGLangLauncher, free_port
+from inference.sglang import SGLangClient
 from models import hf_io
 from models.qwen3 import Qwen3, Qwen3Config
-from tests.owners import engine_options, sglang_config
+from tests.owners import engine_options, launcher_config, sglang_config
 from tests.servers import served
 
 CFG = Qwen3Config(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -91,10 +86,10 @@ def references(models):
 def servers(models, tmp_path_factory):
     """Two inference.server processes on model "a", started in parallel."""
     logs = tmp_path_factory.mktemp("logs")
-    launchers = [SGLangLauncher(LauncherConfig(model_path=models["a"][1], command=SERVER,
-                                               env={"PYTHONPATH": REPOSITORY},
-                                               log_path=str(logs / f"s{i}.log"),
-                                               startup_timeout=120))
+    launchers = [SGLangLauncher(launcher_config(model_path=models["a"][1], command=SERVER,
+                                                env={"PYTHONPATH": REPOSITORY},
+                                                log_path=str(logs / f"s{i}.log"),
+                                                startup_timeout=120))
                  for i in range(2)]
     for launcher in launchers:
         launcher.spawn()
@@ -415,8 +410,8 @@ def test_launcher_teardown_stops_the_server(servers):
 
 def test_launcher_reports_early_exit_with_log_tail(tmp_path):
     cmd = "{python} -c " + shlex.quote("import sys; print('no weights at all'); sys.exit(3)")
-    launcher = SGLangLauncher({"command": cmd, "log_path": str(tmp_path / "log"),
-                               "startup_timeout": 30})
+    launcher = SGLangLauncher({**dataclasses.asdict(launcher_config()), "command": cmd,
+                               "log_path": str(tmp_path / "log"), "startup_timeout": 30})
     with pytest.raises(EngineError, match="(?s)code 3.*no weights at all"):
         launcher.start()
 
@@ -424,8 +419,8 @@ def test_launcher_reports_early_exit_with_log_tail(tmp_path):
 def test_launcher_deadline_kills_the_group(tmp_path):
     cmd = "{python} -c " + shlex.quote("import time; print('loading', flush=True); "
                                        "time.sleep(60)")
-    launcher = SGLangLauncher(LauncherConfig(command=cmd, log_path=str(tmp_path / "log"),
-                                             startup_timeout=1.0))
+    launcher = SGLangLauncher(launcher_config(command=cmd, log_path=str(tmp_path / "log"),
+                                              startup_timeout=1.0))
     launcher.spawn()
     pid = launcher.process.pid
     with pytest.raises(EngineError, match="(?s)not healthy after.*loading"):
@@ -472,7 +467,7 @@ def test_launched_server_imports_the_kernels_library_not_the_project(
     else:
         monkeypatch.delenv("PYTHONPATH", raising=False)
         env = {"PYTHONPATH": mods}
-    launcher = SGLangLauncher(LauncherConfig(
+    launcher = SGLangLauncher(launcher_config(
         command="{python} -m fake_sglang --model-path {model_path} --port {port}",
         model_path="configs", env=env,
         log_path=str(tmp_path / "log"), startup_timeout=120))
@@ -497,11 +492,11 @@ SGLANG_DOCUMENTED_FLAGS = {
 
 
 def test_sglang_command_line_uses_documented_flags():
-    launcher = SGLangLauncher(LauncherConfig(model_path="/ckpt/qwen3-14b", port=30011,
-                                             host="0.0.0.0", tp_size=4,
-                                             mem_fraction_static=0.8,
-                                             context_length=40960, deterministic=True,
-                                             extra_args=("--dtype", "bfloat16")))
+    launcher = SGLangLauncher(launcher_config(model_path="/ckpt/qwen3-14b", port=30011,
+                                              host="0.0.0.0", tp_size=4,
+                                              mem_fraction_static=0.8,
+                                              context_length=40960, deterministic=True,
+                                              extra_args=("--dtype", "bfloat16")))
     argv = launcher.command()
     assert argv == [sys.executable, "-m", "sglang.launch_server", "--model-path",
                     "/ckpt/qwen3-14b", "--port", "30011", "--tp-size", "4",

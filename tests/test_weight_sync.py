@@ -10,7 +10,7 @@ from flax import nnx
 
 from configs.common import apply_overrides, load_config
 from inference import build as engines
-from inference import sglang
+from inference import launcher, sglang
 from inference.engine import BrokenSampleError, ContextLengthError, EngineError, GenerateRequest
 from models.qwen3 import Qwen3, Qwen3Config
 from models.tokenizer import train_bpe
@@ -239,29 +239,29 @@ def test_nan_finish_is_a_broken_sample():
 
 def test_startup_checks_refuse_with_the_numbers():
     ok = {"version": "0.5.3", "context_length": 40960, "enable_deterministic_inference": True}
-    sglang.check_server("u", ok, 40960, seeded=True)
+    launcher.check_server("u", ok, 40960, seeded=True)
     with pytest.raises(EngineError, match=r"at most 32768 tokens .*max_context is 40960"):
-        sglang.check_server("u", {**ok, "context_length": 32768}, 40960, seeded=True)
+        launcher.check_server("u", {**ok, "context_length": 32768}, 40960, seeded=True)
     with pytest.raises(EngineError, match="0.4.9"):
-        sglang.check_server("u", {**ok, "version": "0.4.9"}, 1024, seeded=False)
+        launcher.check_server("u", {**ok, "version": "0.4.9"}, 1024, seeded=False)
     with pytest.raises(EngineError, match="enable-deterministic-inference"):
-        sglang.check_server("u", {**ok, "version": "0.5.2"}, 1024, seeded=True)
+        launcher.check_server("u", {**ok, "version": "0.5.2"}, 1024, seeded=True)
     with pytest.raises(EngineError, match="enable_deterministic_inference=False"):
-        sglang.check_server("u", {**ok, "enable_deterministic_inference": False}, 1024,
+        launcher.check_server("u", {**ok, "enable_deterministic_inference": False}, 1024,
                             seeded=True)
-    sglang.check_server("u", {**ok, "version": "0.5.2"}, 1024, seeded=False)
+    launcher.check_server("u", {**ok, "version": "0.5.2"}, 1024, seeded=False)
 
     async def body(stubs):
-        return await asyncio.to_thread(sglang.server_info, stubs[0].url)
+        return await asyncio.to_thread(launcher.server_info, stubs[0].url)
 
     info = run(with_stubs(1, body, version="0.5.4rc1", context_length=512))
-    assert sglang.parse_version(info["version"]) == (0, 5, 4)
-    assert sglang.server_context_length(info) == (512, "context_length")
+    assert launcher.parse_version(info["version"]) == (0, 5, 4)
+    assert launcher.server_context_length(info) == (512, "context_length")
 
 
 def test_unseeded_client_sends_no_seed():
     req = GenerateRequest([1], 2, seed=3)
-    assert sglang.request_payload(req)["sampling_params"]["sampling_seed"] == 3
+    assert sglang.request_payload(req, seeded=True)["sampling_params"]["sampling_seed"] == 3
     assert "sampling_seed" not in sglang.request_payload(req, seeded=False)["sampling_params"]
 
 
@@ -294,7 +294,7 @@ def test_recipe_placement_shares_no_gpu(recipe):
         assert line[0] == "CUDA_VISIBLE_DEVICES=" + ",".join(map(str, server["gpus"]))
         assert "--context-length" in line and line[line.index("--context-length") + 1] == \
             str(config.rollout.max_context)
-        assert sglang.DETERMINISTIC_FLAG in line
+        assert launcher.DETERMINISTIC_FLAG in line
 
 
 def test_launcher_python_env_and_flags_from_config():
@@ -308,13 +308,31 @@ def test_launcher_python_env_and_flags_from_config():
     assert line[:4] == ["A=b=c", "CUDA_VISIBLE_DEVICES=4,5", "HF_HOME=/x", "PYTHONSAFEPATH=1"]
     assert line[4:7] == ["/opt/sgl/bin/python", "-m", "sglang.launch_server"]
     assert line[-3:] == ["--dtype", "bfloat16", "--x"]
-    assert sglang.DETERMINISTIC_FLAG not in line
+    assert launcher.DETERMINISTIC_FLAG not in line
     assert line[line.index("--context-length") + 1] == "32768"
     apply_overrides(config, {"engine.sglang.ports": tuple(range(30000, 30004))})
     with pytest.raises(ValueError, match="8 GPUs leave none of host_gpus=8"):
         engines.placement(_engine(config))
     apply_overrides(config, {"engine.sglang.urls": ("http://10.0.0.1:30000",)})
     assert engines.placement(_engine(config))["learner_gpus"] == list(range(8))
+
+
+@pytest.mark.parametrize("override", [{}, {"engine.min_cache_len": 128, "engine.max_batch": 16}])
+def test_launched_server_runs_the_configs_engine(override):
+    """The default config's `server` option launches inference.server with the engine
+    section's options (it used the server's own min_cache_len, 1, for the config's 256),
+    overrides included."""
+    import dataclasses
+
+    from inference import server
+    from inference.embedded import EmbeddedOptions
+
+    config = apply_overrides(load_config("configs/default.py:server"), override)
+    (line,) = _launch_commands(config)
+    argv = line[line.index("inference.server") + 1:]
+    expected = dataclasses.replace(EmbeddedOptions.from_section(config.engine),
+                                   max_len=config.rollout.max_context)
+    assert server.engine_options(server.parse_args(argv)) == expected
 
 
 def test_learner_devices_restricted_to_the_rest():

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels import fallback
+from kernels.attention.blocks import Layout
 from kernels.attention.pallas import attention_pallas
 from kernels.attention.reference import attention_reference
 from kernels.attention.xla import attention_xla
@@ -70,7 +71,7 @@ def attention(
                                               kv_positions))
     _check(q, k, v, ids, implementation)
     if implementation == "reference":
-        return attention_reference(q, k, v, *ids)
+        return attention_reference(q, k, v, Layout(*ids))
     name = implementation or ("xla" if jax.default_backend() == "cpu" else "pallas")
     if name == "pallas":
         if implementation == "pallas" and jax.default_backend() == "cpu" and not interpret:
@@ -137,18 +138,20 @@ class _Blocked:
     block_k: int
     interpret: bool = False
 
-    def __call__(self, q, k, v, q_seg, kv_seg, q_pos, kv_pos):
+    def __call__(self, q, k, v, *ids):
+        """ids: q_seg, kv_seg, q_pos, kv_pos (blocks.Layout)."""
+        q_seg, kv_seg, q_pos, kv_pos = ids
         (b, t, h, d), s = q.shape, k.shape[1]
         bq = min(self.block_q, _next_power_of_2(t))
         bk = min(self.block_k, _next_power_of_2(s))
         q, q_seg, q_pos = (_pad(x, bq) for x in (q, q_seg, q_pos))
         k, v, kv_seg, kv_pos = (_pad(x, bk) for x in (k, v, kv_seg, kv_pos))
-        ids = (q_seg, kv_seg, q_pos, kv_pos)
+        ids = Layout(q_seg, kv_seg, q_pos, kv_pos)
         if self.name == "pallas":
-            o = attention_pallas(q, k, v, *ids, bq, bk, self.interpret)
+            o = attention_pallas(q, k, v, ids, (bq, bk, self.interpret))
         else:
             grouped = q.reshape(b, q.shape[1], k.shape[2], h // k.shape[2], d)
-            o = attention_xla(grouped, k, v, *ids, bq, bk).reshape(q.shape)
+            o = attention_xla(grouped, k, v, ids, bq, bk).reshape(q.shape)
         return o[:, :t]
 
     def forward_backward(self, q, k, v, *ids):

@@ -18,6 +18,16 @@ import jax.numpy as jnp
 _BIG = jnp.iinfo(jnp.int32).max
 
 
+class Layout(NamedTuple):
+    """Who may read whom: q_seg [B, T], kv_seg [B, S] segment ids (0: padding) and
+    q_pos [B, T], kv_pos [B, S] positions, int32."""
+
+    q_seg: jax.Array
+    kv_seg: jax.Array
+    q_pos: jax.Array
+    kv_pos: jax.Array
+
+
 class BlockRanges(NamedTuple):
     """lo, hi: [num_q_blocks] int32, the live key blocks of query block i are [lo, hi);
     q_lo, q_hi: [num_kv_blocks] int32, the live query blocks of key block j."""

@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.attention.blocks import BlockRanges, block_ranges
+from kernels.attention.blocks import BlockRanges, Layout, block_ranges
 
 F32 = jnp.float32
 _NT = (((1,), (1,)), ((), ()))  # a[x, D], b[y, D] -> [x, y]
@@ -155,8 +155,9 @@ def _call(kernel, specs, grid, out_specs, out_shape, interpret, *operands):
                           compiler_params=_TRITON)(*operands)
 
 
-def _forward(q, k, v, ids, ranges, block_q, block_k, interpret):
-    b, t, h, d = q.shape
+def _forward(q, k, v, ids, ranges, tiles):
+    """tiles: (block_q, block_k, interpret), the static options."""
+    (block_q, block_k, interpret), (b, t, h, d) = tiles, q.shape
     sp = _Specs(t, k.shape[1], d, h // k.shape[2], block_q, over_keys=False)
     kernel = functools.partial(_fwd_kernel, scale=d ** -0.5, block_k=block_k)
     return _call(kernel, sp.inputs(), (t // block_q, b, h), [sp.q_like(), sp.stats()],
@@ -164,8 +165,10 @@ def _forward(q, k, v, ids, ranges, block_q, block_k, interpret):
                  interpret, ranges.lo, ranges.hi, q, k, v, *ids)
 
 
-def _backward(q, k, v, ids, ranges, o, lse, do, block_q, block_k, interpret):
-    b, t, h, d = q.shape
+def _backward(residuals, do, tiles):
+    """residuals: _attention_fwd's; tiles: (block_q, block_k, interpret)."""
+    q, k, v, ids, ranges, o, lse = residuals
+    ranges, (block_q, block_k, interpret), (b, t, h, d) = BlockRanges(*ranges), tiles, q.shape
     s, kv_heads = k.shape[1], k.shape[2]
     scale = d ** -0.5
     delta = jnp.einsum("bthd,bthd->bht", do.astype(F32), o.astype(F32))
@@ -186,29 +189,25 @@ def _backward(q, k, v, ids, ranges, o, lse, do, block_q, block_k, interpret):
     return dq, group_sum(dk, k), group_sum(dv, v)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_q, block_k, interpret):
-    return _attention_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_q, block_k,
-                          interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, ids: Layout, tiles):
+    return _attention_fwd(q, k, v, ids, tiles)[0]
 
 
-def _attention_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_q, block_k, interpret):
-    ids = (q_seg, kv_seg, q_pos, kv_pos)
-    ranges = block_ranges(*ids, block_q, block_k)
-    o, lse = _forward(q, k, v, ids, ranges, block_q, block_k, interpret)
+def _attention_fwd(q, k, v, ids: Layout, tiles):
+    ranges = block_ranges(*ids, *tiles[:2])
+    o, lse = _forward(q, k, v, ids, ranges, tiles)
     return o, (q, k, v, ids, ranges, o, lse)
 
 
-def _attention_bwd(block_q, block_k, interpret, residuals, do):
-    q, k, v, ids, ranges, o, lse = residuals
-    dq, dk, dv = _backward(q, k, v, ids, BlockRanges(*ranges), o, lse, do, block_q, block_k,
-                           interpret)
-    return dq, dk, dv, None, None, None, None
+def _attention_bwd(tiles, residuals, do):
+    return (*_backward(residuals, do, tiles), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention_pallas(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_q, block_k, interpret):
-    """q [B, T, H, D], k/v [B, S, K, D] (T, S multiples of the blocks) -> o like q."""
-    return _attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_q, block_k, interpret)
+def attention_pallas(q, k, v, ids: Layout, tiles: tuple[int, int, bool]):
+    """q [B, T, H, D], k/v [B, S, K, D] (T, S multiples of the blocks) -> o like q;
+    ids: who may read whom (blocks.Layout); tiles: (block_q, block_k, interpret)."""
+    return _attention(q, k, v, Layout(*ids), tuple(tiles))

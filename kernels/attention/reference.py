@@ -13,16 +13,17 @@ def attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions) -> 
     return same & causal & (q_segment_ids != 0)[:, :, None]
 
 
-def attention_reference(q, k, v, q_segment_ids, kv_segment_ids, q_positions, kv_positions):
+def attention_reference(q, k, v, layout):
     """o[t] = sum_s softmax_s(q[t] . k[s] / sqrt(D) over allowed s) v[s], grouped heads.
 
-    q: [B, T, H, D], k/v: [B, S, K, D] with H = K * G (query head h reads kv head h // G).
+    q: [B, T, H, D], k/v: [B, S, K, D] with H = K * G (query head h reads kv head h // G);
+    layout: (q_segment_ids, kv_segment_ids, q_positions, kv_positions), blocks.Layout.
     Scores and softmax in float32; the probabilities are cast to v's dtype for the value
     matmul. A query with no allowed key (padding) gets exactly 0 and no gradient.
     """
     b, t, h, d = q.shape
     kv_heads = k.shape[2]
-    mask = attention_mask(q_segment_ids, kv_segment_ids, q_positions, kv_positions)
+    mask = attention_mask(*layout)
     q = q.reshape(b, t, kv_heads, h // kv_heads, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=F32) * (d ** -0.5)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.attention.blocks import BlockRanges, block_ranges
+from kernels.attention.blocks import BlockRanges, Layout, block_ranges
 
 F32 = jnp.float32
 
@@ -43,8 +43,9 @@ def _mask(qs_i, ks_j, qp_i, kp_j):
     return same & (qs_i != 0)[:, :, None] & (kp_j[:, None, :] <= qp_i[:, :, None])
 
 
-def _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, ranges, block_q, block_k):
+def _forward(q, k, v, ids: Layout, ranges, blocks):
     """q [B, T, K, G, D] (T a multiple of block_q) -> (o like q, lse [B, K, G, T] f32)."""
+    (q_seg, kv_seg, q_pos, kv_pos), (block_q, block_k) = ids, blocks
     b, t, kh, g, d = q.shape
     scale = d ** -0.5
     qb, qsb, qpb = (_blocks(x, block_q) for x in (q, q_seg, q_pos))
@@ -78,8 +79,10 @@ def _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, ranges, block_q, block_k):
     return o, lse
 
 
-def _backward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, ranges, o, lse, do, block_q, block_k):
-    """(dq, dk, dv) in the dtypes of q, k, v."""
+def _backward(residuals, do, blocks):
+    """(dq, dk, dv) in the dtypes of q, k, v; residuals: _attention_fwd's."""
+    q, k, v, (q_seg, kv_seg, q_pos, kv_pos), ranges, o, lse = residuals
+    ranges, (block_q, block_k) = BlockRanges(*ranges), blocks
     b, t, kh, g, d = q.shape
     scale = d ** -0.5
     delta = jnp.einsum("btkgd,btkgd->bkgt", do.astype(F32), o.astype(F32))
@@ -116,28 +119,25 @@ def _backward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, ranges, o, lse, do, block_q
     return dq.reshape(q.shape).astype(q.dtype), unblock(dk), unblock(dv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_q, block_k):
-    ranges = block_ranges(q_seg, kv_seg, q_pos, kv_pos, block_q, block_k)
-    return _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, ranges, block_q, block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attention(q, k, v, ids: Layout, blocks):
+    return _forward(q, k, v, ids, block_ranges(*ids, *blocks), blocks)[0]
 
 
-def _attention_fwd(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_q, block_k):
-    ranges = block_ranges(q_seg, kv_seg, q_pos, kv_pos, block_q, block_k)
-    o, lse = _forward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, ranges, block_q, block_k)
-    return o, (q, k, v, q_seg, kv_seg, q_pos, kv_pos, ranges, o, lse)
+def _attention_fwd(q, k, v, ids: Layout, blocks):
+    ranges = block_ranges(*ids, *blocks)
+    o, lse = _forward(q, k, v, ids, ranges, blocks)
+    return o, (q, k, v, ids, ranges, o, lse)
 
 
-def _attention_bwd(block_q, block_k, residuals, do):
-    q, k, v, q_seg, kv_seg, q_pos, kv_pos, ranges, o, lse = residuals
-    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, q_pos, kv_pos, BlockRanges(*ranges), o, lse,
-                           do, block_q, block_k)
-    return dq, dk, dv, None, None, None, None
+def _attention_bwd(blocks, residuals, do):
+    return (*_backward(residuals, do, blocks), None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def attention_xla(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_q, block_k):
-    """q [B, T, K, G, D], k/v [B, S, K, D] (T, S multiples of the blocks) -> o like q."""
-    return _attention(q, k, v, q_seg, kv_seg, q_pos, kv_pos, block_q, block_k)
+def attention_xla(q, k, v, ids: Layout, block_q: int, block_k: int):
+    """q [B, T, K, G, D], k/v [B, S, K, D] (T, S multiples of the blocks) -> o like q;
+    ids: who may read whom (blocks.Layout)."""
+    return _attention(q, k, v, Layout(*ids), (block_q, block_k))

@@ -4,7 +4,7 @@ import jax
 
 from kernels.kl.estimators import kl_k1, kl_k2, kl_k3, kl_k3plus
 from kernels.kl.reference import exact_kl_reference
-from kernels.kl.xla import exact_kl_chunked
+from kernels.kl.xla import Chunks, exact_kl_chunked
 
 __all__ = ["exact_kl", "kl_k1", "kl_k2", "kl_k3", "kl_k3plus"]
 
@@ -57,5 +57,5 @@ def exact_kl(
     if implementation != "xla":
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
                          f"got {implementation!r}")
-    return exact_kl_chunked(hidden, lm_head, ref_hidden, ref_lm_head, mask, float(temperature),
-                            row_block, vocab_block)
+    return exact_kl_chunked(hidden, lm_head, ref_hidden, ref_lm_head, mask,
+                            Chunks(float(temperature), row_block, vocab_block))

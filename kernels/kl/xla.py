@@ -11,6 +11,7 @@ delta, max and sum-exp of y); the backward pass recomputes both logit tiles.
 """
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,15 @@ from kernels.logprob.xla import logits, row_loop, vocab_loop
 F32 = jnp.float32
 _CONTRACT_ROWS = (((0,), (0,)), ((), ()))
 _CONTRACT_COLS = (((1,), (1,)), ((), ()))
+
+
+class Chunks(NamedTuple):
+    """The static options of one call (hashable: a custom_vjp's non-differentiable
+    argument): the softmax temperature, rows and vocabulary columns per tile."""
+
+    temperature: float
+    row_block: int
+    vocab_block: int
 
 
 def _merge(stats, z, y):
@@ -43,8 +53,9 @@ def _rows(x, start, size):
     return lax.dynamic_slice_in_dim(x, start, size, axis=0)
 
 
-def _stats(h_c, w, hr_c, wr, num_blocks, row_block, vocab_block, inv_t):
+def _stats(h_c, w, hr_c, wr, num_blocks, chunks):
     """(lse[N_pad], mean_delta[N_pad], kl[N_pad]) over compacted rows."""
+    row_block, vocab_block, inv_t = chunks.row_block, chunks.vocab_block, 1.0 / chunks.temperature
     num_pad = h_c.shape[0]
     low = jnp.full((num_pad,), jnp.finfo(F32).min)
     zero = jnp.zeros((num_pad,), F32)
@@ -70,33 +81,32 @@ def _stats(h_c, w, hr_c, wr, num_blocks, row_block, vocab_block, inv_t):
     return tuple(jnp.where(visited, x, 0.0) for x in (lse, mean_delta, kl))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def exact_kl_chunked(hidden, lm_head, ref_hidden, ref_lm_head, mask, temperature, row_block,
-                     vocab_block):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def exact_kl_chunked(hidden, lm_head, ref_hidden, ref_lm_head, mask, chunks: Chunks):
     """kl[N] float32, masked rows 0; gradient in hidden and lm_head only."""
-    return _forward(hidden, lm_head, ref_hidden, ref_lm_head, mask, temperature, row_block,
-                    vocab_block)[0]
+    return _forward(hidden, lm_head, ref_hidden, ref_lm_head, mask, chunks)[0]
 
 
-def _blocks(hidden, lm_head, row_block, vocab_block):
-    return min(row_block, hidden.shape[0]), min(vocab_block, lm_head.shape[1])
+def _blocks(hidden, lm_head, chunks: Chunks) -> Chunks:
+    """The tiles of these shapes: at most the rows and columns there are."""
+    return chunks._replace(row_block=min(chunks.row_block, hidden.shape[0]),
+                           vocab_block=min(chunks.vocab_block, lm_head.shape[1]))
 
 
-def _forward(hidden, lm_head, ref_hidden, ref_lm_head, mask, temperature, row_block,
-             vocab_block):
-    row_block, vocab_block = _blocks(hidden, lm_head, row_block, vocab_block)
-    rows = compact_rows(mask, row_block)
+def _forward(hidden, lm_head, ref_hidden, ref_lm_head, mask, chunks: Chunks):
+    chunks = _blocks(hidden, lm_head, chunks)
+    rows = compact_rows(mask, chunks.row_block)
     lse, mean_delta, kl = _stats(rows.gather(hidden), lm_head, rows.gather(ref_hidden),
-                                 ref_lm_head, rows.num_blocks, row_block, vocab_block,
-                                 1.0 / temperature)
+                                 ref_lm_head, rows.num_blocks, chunks)
     residuals = (hidden, lm_head, ref_hidden, ref_lm_head, rows, lse, mean_delta)
     return rows.scatter(kl, hidden.shape[0]), residuals
 
 
-def _backward(temperature, row_block, vocab_block, residuals, g_kl):
+def _backward(chunks: Chunks, residuals, g_kl):
     hidden, lm_head, ref_hidden, ref_lm_head, rows, lse, mean_delta = residuals
-    row_block, vocab_block = _blocks(hidden, lm_head, row_block, vocab_block)
-    inv_t = 1.0 / temperature
+    chunks = _blocks(hidden, lm_head, chunks)
+    row_block, vocab_block = chunks.row_block, chunks.vocab_block
+    inv_t = 1.0 / chunks.temperature
     h_c, hr_c = rows.gather(hidden), rows.gather(ref_hidden)
     g_c = rows.gather(g_kl.astype(F32))
     mm_dtype = jnp.promote_types(hidden.dtype, lm_head.dtype)

@@ -3,7 +3,7 @@
 An engine (XlaEngine, PallasEngine) supplies two blocked passes over the vocabulary:
 
   stats(h_c, w, rows, row_block, inv_t) -> (lse[N_pad], entropy[N_pad], kept)
-  grads(h_c, w, rows, row_block, inv_t, t_c, lse, entropy, g_logp, g_ent, kept)
+  grads(h_c, w, rows, row_block, inv_t, RowGrads(t_c, lse, entropy, g_logp, g_ent, kept))
     -> (dh_c f32, dw)
 
 with z = h @ w * inv_t, p = softmax(z), lse = log sum_v exp(z_v), entropy = lse - E_p[z].
@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels.logprob.rows import compact_rows
+from kernels.logprob.rows import RowGrads, compact_rows
 
 
 def target_logits(h_c: jax.Array, w: jax.Array, t_c: jax.Array, inv_t: float) -> jax.Array:
@@ -55,9 +55,8 @@ def _backward(temperature, engine, residuals, cotangents):
     g_logp, g_ent = (rows.gather(g.astype(jnp.float32)) for g in cotangents)
     row_block = engine.rows_per_block(hidden.shape[0])
     h_c = rows.gather(hidden)
-    dh_c, dw = engine.grads(
-        h_c, lm_head, rows, row_block, 1.0 / temperature, t_c, lse, entropy, g_logp, g_ent,
-        kept)
+    dh_c, dw = engine.grads(h_c, lm_head, rows, row_block, 1.0 / temperature,
+                            RowGrads(t_c, lse, entropy, g_logp, g_ent, kept))
     dh = rows.scatter(dh_c, hidden.shape[0]).astype(hidden.dtype)
     return dh, dw, None, None
 

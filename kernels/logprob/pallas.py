@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from kernels.logprob.rows import RowCompaction
+from kernels.logprob.rows import RowCompaction, RowGrads
 
 F32 = jnp.float32
 _CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # a[R, x], b[R, y] -> [x, y]
@@ -261,9 +261,9 @@ class PallasEngine:
         visited = jnp.arange(num_pad) < rows.num_blocks * row_block
         return jnp.where(visited, lse, 0.0), jnp.where(visited, entropy, 0.0), None
 
-    def grads(self, h_c, w, rows: RowCompaction, row_block, inv_t, t_c, lse, entropy,
-              g_logp, g_ent, kept=None):
-        """(dh_c[N_pad, d] float32, dw[d, V] in w's dtype); kept is always None here."""
+    def grads(self, h_c, w, rows: RowCompaction, row_block, inv_t, terms: RowGrads):
+        """(dh_c[N_pad, d] float32, dw[d, V] in w's dtype); terms.kept is always None
+        here."""
         (d, vocab_size), num_pad = w.shape, h_c.shape[0]
         mm_dtype = jnp.promote_types(h_c.dtype, w.dtype)
         vocab_block, d_block = self.blocks(row_block, d, vocab_size, mm_dtype)
@@ -271,7 +271,8 @@ class PallasEngine:
         w_pad = _pad(w.astype(mm_dtype), (d_block, vocab_block))
         d_pad, v_pad = w_pad.shape
         num_row_blocks, num_vocab_blocks = num_pad // row_block, v_pad // vocab_block
-        operands = (rows.valid.astype(jnp.int32), h_c, w_pad, t_c, lse, entropy, g_logp, g_ent)
+        operands = (rows.valid.astype(jnp.int32), h_c, w_pad, terms.t, terms.lse, terms.entropy,
+                    terms.g_logp, terms.g_ent)
         common = dict(inv_t=inv_t, vocab_size=vocab_size, vocab_block=vocab_block,
                       d_block=d_block, num_d_blocks=d_pad // d_block)
 

@@ -32,6 +32,19 @@ class RowCompaction(NamedTuple):
         return out.at[self.index].set(x_c, mode="drop")
 
 
+class RowGrads(NamedTuple):
+    """What the backward pass reads per compacted row ([N_pad] each): the targets t, the
+    forward's lse and entropy, the cotangents of logp and entropy; kept: the forward's
+    tempered logits [N_pad, V] when its engine kept them, else None."""
+
+    t: jax.Array
+    lse: jax.Array
+    entropy: jax.Array
+    g_logp: jax.Array
+    g_ent: jax.Array
+    kept: jax.Array | None
+
+
 def padded_rows(num_rows: int, row_block: int) -> int:
     """Rows after padding to whole row blocks."""
     return -(-num_rows // row_block) * row_block

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.logprob.rows import RowCompaction
+from kernels.logprob.rows import RowCompaction, RowGrads
 
 F32 = jnp.float32
 _CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # a[R, x], b[R, y] -> [x, y]
@@ -65,15 +65,16 @@ def finish_stats(m, s, a):
     return m + jnp.log(s), jnp.log(s) - a / s
 
 
-def logit_cotangent(z, cols, t, lse, entropy, g_logp, g_ent, inv_t):
+def logit_cotangent(z, cols, rows: RowGrads, inv_t):
     """dL/d(h @ w) for one tile: inv_t * [g_logp (1[v=t] - p) + g_ent p (E_p[z] - z)].
 
-    z[R, C] tempered logits, cols[C] vocabulary ids; per-row vectors are [R].
+    z[R, C] tempered logits, cols[C] vocabulary ids; rows: the tile's [R] vectors (its
+    `kept` is not read).
     """
-    p = jnp.exp(z - lse[:, None])
-    mean_z = (lse - entropy)[:, None]
-    onehot = (cols[None, :] == t[:, None]).astype(F32)
-    dz = g_logp[:, None] * (onehot - p) + g_ent[:, None] * p * (mean_z - z)
+    p = jnp.exp(z - rows.lse[:, None])
+    mean_z = (rows.lse - rows.entropy)[:, None]
+    onehot = (cols[None, :] == rows.t[:, None]).astype(F32)
+    dz = rows.g_logp[:, None] * (onehot - p) + rows.g_ent[:, None] * p * (mean_z - z)
     return dz * inv_t
 
 
@@ -124,10 +125,10 @@ class XlaEngine:
         lse, entropy = (jnp.where(visited, x, 0.0) for x in finish_stats(m, s, a))
         return lse, entropy, kept if keep else None
 
-    def grads(self, h_c, w, rows: RowCompaction, row_block, inv_t, t_c, lse, entropy,
-              g_logp, g_ent, kept=None):
-        """(dh_c[N_pad, d] float32, dw[d, V] in w's dtype); kept: the logits from stats,
-        or None to recompute them."""
+    def grads(self, h_c, w, rows: RowCompaction, row_block, inv_t, terms: RowGrads):
+        """(dh_c[N_pad, d] float32, dw[d, V] in w's dtype); terms.kept: the logits from
+        stats, or None to recompute them."""
+        kept, vectors = terms.kept, terms._replace(kept=None)
         mm_dtype = jnp.promote_types(h_c.dtype, w.dtype)
 
         def vocab_body(carry, start, width):
@@ -141,8 +142,7 @@ class XlaEngine:
                 row = lambda x: _slice_rows(x, r0, row_block)
                 z = (logits(h_i, w_j, inv_t) if kept is None
                      else lax.dynamic_slice(kept, (r0, start), (row_block, width)))
-                dz = logit_cotangent(z, cols, row(t_c), row(lse),
-                                     row(entropy), row(g_logp), row(g_ent), inv_t)
+                dz = logit_cotangent(z, cols, jax.tree.map(row, vectors), inv_t)
                 dz = dz.astype(mm_dtype)
                 dh_i = lax.dot_general(dz, w_j, _CONTRACT_COLS, preferred_element_type=F32)
                 dh_c = lax.dynamic_update_slice_in_dim(dh_c, row(dh_c) + dh_i, r0, 0)
