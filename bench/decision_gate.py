@@ -38,7 +38,7 @@ ROOT = os.path.join(ex.ROOT, "runs", "decision")
 WARM = "configs/default.py:decide,seed={seed}"
 # The registered GRPO arm is the default's learning rate (5e-5); "grpo_lr2e4" is the second
 # try (2e-4: the highest rate the retired gate's tries showed to move this model without
-# collapse), added after the first try's policy was seen not to move (ratio 1 +- 2e-5).
+# collapse), added after the first try's rollouts were seen to match lr 0's at first.
 ARMS = {"grpo": "configs/default.py:decide,baseline,seed={seed}",
         "grpo_lr2e4": "configs/default.py:decide,baseline,seed={seed}",
         "lr0": "configs/default.py:decide,baseline,seed={seed}"}
