@@ -39,11 +39,10 @@ WARM = "configs/default.py:decide,seed={seed}"
 # The registered GRPO arm is the default's learning rate (5e-5); "grpo_lr2e4" is the second
 # try (2e-4: the highest rate the retired gate's tries showed to move this model without
 # collapse), added after the first try's rollouts were seen to match lr 0's at first.
-ARMS = {"grpo": "configs/default.py:decide,baseline,seed={seed}",
-        "grpo_lr2e4": "configs/default.py:decide,baseline,seed={seed}",
-        "lr0": "configs/default.py:decide,baseline,seed={seed}"}
 SETS = {"grpo": ["batch_tasks=8"], "grpo_lr2e4": ["batch_tasks=8", "learner.optim.lr=2e-4"],
         "lr0": ["batch_tasks=8", "learner.optim.lr=0.0"]}
+# Every arm is the same config (Prefix Sampling off); only its `--set`s differ.
+ARMS = dict.fromkeys(SETS, "configs/default.py:decide,baseline,seed={seed}")
 CRITERIA = dict(seeds=2, steps=24, tasks_per_step=8, group_size=8, window=(13, 24),
                 min_diff=0.05, ci=0.95, n_boot=2000, difficulty=4)
 KEY = "rollout/fresh_pass_rate"
@@ -87,7 +86,7 @@ def measure(root: str, seed: int, prefix_rollouts: int = 8) -> dict:
     `failed_rollouts.jsonl` beside it. prefix_rollouts 0 keeps the prefix table already
     measured (the histogram's rollouts are the same: seeded per task)."""
     path = os.path.join(root, f"seed{seed}", "measure.json")
-    before = _load(path)
+    before = sc._read_json(path)
     workdir = ex.warm_start(root, seed, SETS["grpo"], WARM)
     agent, train_tasks = sc.load_agent(_config(seed), workdir)
     try:
@@ -132,19 +131,12 @@ def _curve(root: str, seed: int, arm: str) -> dict[int, float]:
     return dict(zip(steps, values, strict=True))
 
 
-def _load(path: str) -> dict:
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
-
-
 def report(root: str, seeds: Sequence[int], name: str, note: str, out: str,
            arm: str = "grpo") -> dict:
     """The try's record (`arm` against lr0, appended to `out`'s "decision" tries) and the
     verdict."""
     path = os.path.join(root, f"seed{seeds[0]}", "measure.json")
-    warm = _load(path)
+    warm = sc._read_json(path)
     per_seed = [{"seed": s, **paired(_curve(root, s, arm), _curve(root, s, "lr0"))}
                 for s in seeds]
     record = {"try": name, "note": note, "arm": arm, "sets": SETS[arm], "seeds": list(seeds),
@@ -153,7 +145,7 @@ def report(root: str, seeds: Sequence[int], name: str, note: str, out: str,
                          if k not in ("rows",)}, "taxonomy": warm.get("taxonomy"),
               "gate_pass": passes(per_seed, warm.get("histogram"), warm.get("prefix")),
               "load": sc.load_note()}
-    gate = _load(out)
+    gate = sc._read_json(out)
     section = gate.setdefault("decision", {"criteria": {**CRITERIA, **sc.GATE}, "tries": []})
     section["tries"] = [t for t in section["tries"] if t["try"] != name] + [record]
     section["gate_pass"] = any(t["gate_pass"] for t in section["tries"])
