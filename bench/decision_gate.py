@@ -4,6 +4,7 @@
     python -m bench.decision_gate measure --seed 0          # histogram, prefix table, taxonomy
     python -m bench.decision_gate runs --seeds 0,1 [--steps 24]
     python -m bench.decision_gate report [--try NAME] [--note TEXT]
+    ... --setting budget                                    # the second setting (below)
 
 The setting is the decision family (configs/default.py:decide, mini-SWE difficulty 4): the
 fix of a one-line function is which operator gives the statement's expected value, and the
@@ -18,12 +19,20 @@ step; 2 seeds x 24 steps. The gate passes when the paired difference of
 `rollout/fresh_pass_rate` averaged over steps 13-24 is >= +0.05 in each seed with the
 2.5th percentile of a bootstrap over those steps above 0, and the warm start meets the
 histogram and prefix-table criteria of bench.seed_claims.GATE. Every try is recorded.
+
+The second setting, `budget` (configs/default.py:budget; record "budget", registered
+before any of its runs with the same criteria): the decision family under a 3-step
+budget, half of the demonstrations exploring before they edit (the edit is their 4th
+call), so that how to work is a decision the reward tells apart. Its GRPO arm is
+`grpo_lr2e4`, the rate the decision family's second try used (5e-5 left its rollouts
+as lr 0's at first).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -34,15 +43,37 @@ from bench import experiments as ex
 from bench import seed_claims as sc
 from bench import taxonomy as tx
 
-ROOT = os.path.join(ex.ROOT, "runs", "decision")
-WARM = "configs/default.py:decide,seed={seed}"
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A gate's task setting: its config option, its record in results/gate.json, its
+    registered GRPO arm and where its runs live."""
+
+    option: str
+    record: str
+    arm: str
+
+    @property
+    def root(self) -> str:
+        return os.path.join(ex.ROOT, "runs", self.record)
+
+    @property
+    def warm(self) -> str:
+        return f"configs/default.py:{self.option},seed={{seed}}"
+
+    @property
+    def arms(self) -> dict[str, str]:
+        """Every arm is the same config (Prefix Sampling off); only its `--set`s differ."""
+        return dict.fromkeys(SETS, f"configs/default.py:{self.option},baseline,seed={{seed}}")
+
+
 # The registered GRPO arm is the default's learning rate (5e-5); "grpo_lr2e4" is the second
 # try (2e-4: the highest rate the retired gate's tries showed to move this model without
 # collapse), added after the first try's rollouts were seen to match lr 0's at first.
 SETS = {"grpo": ["batch_tasks=8"], "grpo_lr2e4": ["batch_tasks=8", "learner.optim.lr=2e-4"],
         "lr0": ["batch_tasks=8", "learner.optim.lr=0.0"]}
-# Every arm is the same config (Prefix Sampling off); only its `--set`s differ.
-ARMS = dict.fromkeys(SETS, "configs/default.py:decide,baseline,seed={seed}")
+SETTINGS = {"decide": Setting("decide", "decision", "grpo"),
+            "budget": Setting("budget", "budget", "grpo_lr2e4")}
 CRITERIA = dict(seeds=2, steps=24, tasks_per_step=8, group_size=8, window=(13, 24),
                 min_diff=0.05, ci=0.95, n_boot=2000, difficulty=4)
 KEY = "rollout/fresh_pass_rate"
@@ -73,22 +104,22 @@ def passes(per_seed: Sequence[dict], hist: dict | None, prefix: dict | None) -> 
     return bool(learned and hist and hist["pass"] and prefix and prefix["pass"])
 
 
-def _config(seed: int):
+def _config(setting: Setting, seed: int):
     from configs import common
 
-    return common.apply_overrides(common.load_config(WARM.format(seed=seed)),
+    return common.apply_overrides(common.load_config(setting.warm.format(seed=seed)),
                                   common.parse_overrides(SETS["grpo"]))
 
 
-def measure(root: str, seed: int, prefix_rollouts: int = 8) -> dict:
+def measure(setting: Setting, root: str, seed: int, prefix_rollouts: int = 8) -> dict:
     """The warm start's histogram, prefix table and the taxonomy of its failed rollouts
     (the histogram's), on training tasks of the family; the failed rollouts' calls go to
     `failed_rollouts.jsonl` beside it. prefix_rollouts 0 keeps the prefix table already
     measured (the histogram's rollouts are the same: seeded per task)."""
     path = os.path.join(root, f"seed{seed}", "measure.json")
     before = sc._read_json(path)
-    workdir = ex.warm_start(root, seed, SETS["grpo"], WARM)
-    agent, train_tasks = sc.load_agent(_config(seed), workdir)
+    workdir = ex.warm_start(root, seed, SETS["grpo"], setting.warm)
+    agent, train_tasks = sc.load_agent(_config(setting, seed), workdir)
     try:
         out = asyncio.run(sc.measure_warm_start(agent, train_tasks, np.random.default_rng(
             [seed, 7]), prefix_rollouts, difficulty=CRITERIA["difficulty"]))
@@ -117,10 +148,11 @@ def measure(root: str, seed: int, prefix_rollouts: int = 8) -> dict:
     return out
 
 
-def run_all(root: str, seeds: Sequence[int], steps: int, arms: Sequence[str]) -> None:
+def run_all(setting: Setting, root: str, seeds: Sequence[int], steps: int,
+            arms: Sequence[str]) -> None:
     for seed in seeds:
         for arm in arms:
-            ex.run_arm(root, arm, seed, steps, SETS[arm], ARMS, WARM)
+            ex.run_arm(root, arm, seed, steps, SETS[arm], setting.arms, setting.warm)
 
 
 def _curve(root: str, seed: int, arm: str) -> dict[int, float]:
@@ -131,10 +163,10 @@ def _curve(root: str, seed: int, arm: str) -> dict[int, float]:
     return dict(zip(steps, values, strict=True))
 
 
-def report(root: str, seeds: Sequence[int], name: str, note: str, out: str,
-           arm: str = "grpo") -> dict:
-    """The try's record (`arm` against lr0, appended to `out`'s "decision" tries) and the
-    verdict."""
+def report(setting: Setting, root: str, seeds: Sequence[int], name: str, note: str,
+           out: str, arm: str) -> dict:
+    """The try's record (`arm` against lr0, appended to the setting's tries in `out`) and
+    the verdict."""
     path = os.path.join(root, f"seed{seeds[0]}", "measure.json")
     warm = sc._read_json(path)
     per_seed = [{"seed": s, **paired(_curve(root, s, arm), _curve(root, s, "lr0"))}
@@ -146,7 +178,8 @@ def report(root: str, seeds: Sequence[int], name: str, note: str, out: str,
               "gate_pass": passes(per_seed, warm.get("histogram"), warm.get("prefix")),
               "load": sc.load_note()}
     gate = sc._read_json(out)
-    section = gate.setdefault("decision", {"criteria": {**CRITERIA, **sc.GATE}, "tries": []})
+    section = gate.setdefault(setting.record, {"criteria": {**CRITERIA, **sc.GATE},
+                                               "tries": []})
     section["tries"] = [t for t in section["tries"] if t["try"] != name] + [record]
     section["gate_pass"] = any(t["gate_pass"] for t in section["tries"])
     with open(out, "w") as f:
@@ -157,31 +190,34 @@ def report(root: str, seeds: Sequence[int], name: str, note: str, out: str,
 def main(argv=None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("stage", choices=("warm", "measure", "runs", "report"))
-    p.add_argument("--root", default=ROOT)
+    p.add_argument("--setting", choices=tuple(SETTINGS), default="decide")
+    p.add_argument("--root", default=None, help="default: runs/<the setting's record>")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=CRITERIA["steps"])
     p.add_argument("--prefix-rollouts", type=int, default=8,
                    help="rollouts per prefix length (0: keep the table already measured)")
     p.add_argument("--try", dest="name", default="decide_sft256_t04")
-    p.add_argument("--arms", default="grpo,lr0", help="runs: the arms to run; report: "
-                   "the first is the GRPO arm of the try")
+    p.add_argument("--arms", default=None, help="runs: the arms to run; report: the first "
+                   "is the GRPO arm of the try (default: the setting's registered arm, lr0)")
     p.add_argument("--note", default="")
     p.add_argument("--out", default=os.path.join(sc.RESULTS, "gate.json"))
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
+    setting = SETTINGS[args.setting]
+    root = args.root or setting.root
+    arms = (args.arms or f"{setting.arm},lr0").split(",")
     if args.stage == "warm":
         for seed in seeds:
-            print(ex.warm_start(args.root, seed, SETS["grpo"], WARM))
+            print(ex.warm_start(root, seed, SETS["grpo"], setting.warm))
         return None
     if args.stage == "measure":
-        result = measure(args.root, args.seed, args.prefix_rollouts)
+        result = measure(setting, root, args.seed, args.prefix_rollouts)
     elif args.stage == "runs":
-        run_all(args.root, seeds, args.steps, args.arms.split(","))
+        run_all(setting, root, seeds, args.steps, arms)
         return None
     else:
-        result = report(args.root, seeds, args.name, args.note, args.out,
-                        args.arms.split(",")[0])
+        result = report(setting, root, seeds, args.name, args.note, args.out, arms[0])
     print(json.dumps(result, indent=1))
     return result
 

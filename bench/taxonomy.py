@@ -94,8 +94,8 @@ def _differing(a: str, b: str) -> list[int] | None:
 def _lines_class(args: dict, observation: str, bugs: Sequence[dict], fixed: set[int]
                  ) -> str | None:
     """The class of one replace_lines (a bug's place is its recorded line)."""
-    span = args.get("line_range") or [0, 0]
-    if observation.startswith("ERROR") or len(span) != 2 or span[0] != span[1]:
+    span = args.get("line_range") or [0]
+    if observation.startswith("ERROR") or len(span) not in (1, 2) or span[0] != span[-1]:
         return "range_slip"
     hit = [i for i, b in enumerate(bugs) if i not in fixed and b.get("line") == span[0]]
     if not hit:

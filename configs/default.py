@@ -17,7 +17,8 @@ graded (the graded task family: two-bug tasks mixed with one-bug ones, a warm st
 correct demonstrations only; see `graded` below), revisit (the Prefix Sampling control:
 skewed tasks re-run from the start instead of from a prefix), decide (the decision
 family: the operator of a one-line function read from the expected value, the line edited
-by number; see `decide` below).
+by number; see `decide` below), budget (the decision family under a step budget that
+half of the demonstrated ways of working exceed; see `budget` below).
 """
 
 import os
@@ -27,7 +28,7 @@ import ml_collections
 from configs import common
 
 OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, server=False, seed=0,
-               steps=0, graded=False, revisit=False, decide=False)
+               steps=0, graded=False, revisit=False, decide=False, budget=False)
 # The project's SGLang-protocol server on its CPU engine, launched like SGLang; it imports
 # this repository, which a launched server has off its sys.path unless its env says so.
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,7 +127,7 @@ def _sft(c) -> None:
     # was (0.465 -> 0.469); with 50% it finishes early on 40 tasks (0.335 -> 0.454); with
     # 60% on 142 (0.108 -> 0.362); with 70% on 130, at 0.088 before RL.
     c.sft = dict(steps=256, batch_size=16, lr=3e-3, warmup_steps=10, end_lr_frac=0.0,
-                 num_demos=512, imperfect_share=0.6)
+                 num_demos=512, imperfect_share=0.6, explore_share=0.0)
 
 
 def _schedule(c) -> None:
@@ -149,8 +150,10 @@ def _options(c, arg) -> None:
     """The options after the colon (`OPTIONS`), in the order they apply."""
     if arg.graded:
         graded(c)
-    if arg.decide:
+    if arg.decide or arg.budget:
         decide(c)
+    if arg.budget:
+        budget(c)
     if arg.revisit:
         c.ps.revisit = True
     if arg.spo:
@@ -231,3 +234,15 @@ def decide(c) -> None:
     c.env.difficulties = (4,)
     c.sft.imperfect_share = 0.0
     c.rollout.temperature = 0.4
+
+
+# The decision family under a step budget: half of the demonstrations explore before they
+# edit (run the tests, search for the function, then view its file: the edit is the 4th
+# call), half view the file first (the edit is the 2nd call). Both are correct; under 3
+# tool steps only the direct way reaches its edit, and an episode is graded from its patch
+# when the budget ends it. Which way to work is the decision RL can learn from the reward;
+# the operator and the line stay decisions too (the one line is named as [line], so no
+# second number can be miscopied).
+def budget(c) -> None:
+    c.sft.explore_share = 0.5
+    c.rollout.max_steps = 3

@@ -470,7 +470,7 @@ def _bash(command: str) -> dict[str, Any]:
 
 def _replace_lines(path: str, line: int, new: str) -> dict[str, Any]:
     return {"name": "file_editor",
-            "arguments": {"command": "replace_lines", "path": path, "line_range": [line, line],
+            "arguments": {"command": "replace_lines", "path": path, "line_range": [line],
                           "new_str": new}}
 
 
@@ -481,18 +481,21 @@ def _search(term: str) -> dict[str, Any]:
 FINISH = {"name": "finish", "arguments": {}}
 
 
-def expert_demo(task: Task, imperfect: bool = False, rng: random.Random | None = None) -> Demo:
+def expert_demo(task: Task, imperfect: bool = False, rng: random.Random | None = None,
+                explore: bool = False) -> Demo:
     """A tool-call script that solves a mini-SWE task with the agent's own tools.
 
     imperfect=True makes one plausible mistake (a wrong edit of the bug line,
     finishing before editing, or fixing only one of two bugs); such demos have
-    correct=False and do not solve the task.
+    correct=False and do not solve the task. explore=True looks before it edits as
+    difficulty 2 does (runs the tests and searches for the function before viewing its
+    file): still correct, two calls longer where the direct way views the file first.
     """
     if "bugs" not in task.metadata:
         raise ValueError(f"{task.instance_id} is not a mini-SWE task (no bug metadata)")
     rng = rng or random.Random(0)
     bugs = [Bug(**{**b, "wrong_fixes": tuple(b["wrong_fixes"])}) for b in task.metadata["bugs"]]
-    calls = _locate(task, bugs)
+    calls = _locate(task, bugs, explore)
     mistake = ""
     if imperfect:
         options = ["finish_early"] + (["wrong_edit"] if bugs[0].wrong_fixes else [])
@@ -511,14 +514,15 @@ def expert_demo(task: Task, imperfect: bool = False, rng: random.Random | None =
     return Demo(calls + [_bash(TEST_RUN), FINISH], correct=not mistake, mistake=mistake)
 
 
-def _locate(task: Task, bugs: list[Bug]) -> list[dict[str, Any]]:
-    """The exploration steps before the first edit, by difficulty."""
+def _locate(task: Task, bugs: list[Bug], explore: bool = False) -> list[dict[str, Any]]:
+    """The exploration steps before the first edit, by difficulty; explore: difficulty 2's
+    on every one-bug task."""
     first = bugs[0]
-    named_path = task.metadata["named_path"]
-    if task.difficulty in (0, 4):
-        return [_view(first.path)]
-    if task.difficulty == 1:
-        return [_view(named_path), _search(f"def {first.function}"), _view(first.path)]
-    if task.difficulty == 2:
+    if task.difficulty == 3:
+        return [_bash(TEST_RUN), _view(first.path)]
+    if explore or task.difficulty == 2:
         return [_bash(TEST_RUN), _search(f"def {first.function}"), _view(first.path)]
-    return [_bash(TEST_RUN), _view(first.path)]
+    if task.difficulty == 1:
+        return [_view(task.metadata["named_path"]), _search(f"def {first.function}"),
+                _view(first.path)]
+    return [_view(first.path)]

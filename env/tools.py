@@ -55,8 +55,8 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
                 "create: a new file with file_text. str_replace: replace old_str, which must "
                 "occur exactly once, by new_str. insert: insert new_str after line "
                 "insert_line (0 for the top). replace_lines: replace lines line_range "
-                "[start, end] (1-based, inclusive) by new_str. undo_edit: revert the last "
-                "edit of path."
+                "[start, end] (1-based, inclusive), or the one line [line], by new_str. "
+                "undo_edit: revert the last edit of path."
             ),
             "parameters": {
                 "type": "object",
@@ -74,7 +74,8 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
                     "line_range": {
                         "type": "array",
                         "items": {"type": "integer"},
-                        "description": "[start, end] lines to replace, 1-based, inclusive.",
+                        "description": "[start, end] lines to replace, 1-based, inclusive; "
+                                       "[line] for one line.",
                     },
                     "view_range": {
                         "type": "array",
@@ -505,10 +506,12 @@ class ToolBox:
         trailing = lines[-1] == ""
         if trailing:
             lines.pop()
-        if len(line_range) != 2 or not 1 <= line_range[0] <= line_range[1] <= len(lines):
+        if (len(line_range) not in (1, 2)
+                or not 1 <= line_range[0] <= line_range[-1] <= len(lines)):
             raise ToolCallError(f"ERROR: invalid line_range {line_range}; {rel} has "
-                                f"{len(lines)} lines (1-based [start, end]). No change made.")
-        start, end = line_range
+                                f"{len(lines)} lines (1-based [start, end] or [line]). "
+                                "No change made.")
+        start, end = line_range[0], line_range[-1]
         added = new_str.split("\n")
         if added[-1] == "" and len(added) > 1:
             added.pop()

@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
     """The `sft` section: the warm start's length, batch and learning-rate schedule, and
-    its demonstrations (how many, the share of them imperfect)."""
+    its demonstrations (how many, the share of them imperfect, the share of the rest that
+    explore before they edit)."""
 
     steps: int
     batch_size: int
@@ -48,6 +49,7 @@ class SFTConfig:
     end_lr_frac: float
     num_demos: int
     imperfect_share: float
+    explore_share: float
 
     def __post_init__(self):
         if self.steps and min(self.batch_size, self.num_demos) < 1:
@@ -149,8 +151,11 @@ async def demonstrations(cfg: SFTConfig, seed: int, agent: Agent,
     chosen = TaskSampler(train, seed=seed).next(cfg.num_demos)
     scripts = []
     for task in chosen:
-        demo = miniswe.expert_demo(task, imperfect=rng.random() < cfg.imperfect_share,
-                                   rng=rng)
+        imperfect = rng.random() < cfg.imperfect_share
+        # drawn only where some demonstrations explore, so that other configs' draws
+        # (and their warm starts) stay as they were
+        explore = cfg.explore_share > 0 and rng.random() < cfg.explore_share
+        demo = miniswe.expert_demo(task, imperfect, rng, explore)
         scripts.append((task, expert_actions_text(demo)))
     with progress(len(scripts), "demonstrations") as bar:
         async def one(task, actions):

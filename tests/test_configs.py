@@ -78,6 +78,8 @@ CHANGES = {
     "revisit": {"ps.revisit"},
     "decide": {"env.difficulties", "sft.imperfect_share", "rollout.temperature",
                "learner.temperature"},
+    "budget": {"env.difficulties", "sft.imperfect_share", "rollout.temperature",
+               "learner.temperature", "sft.explore_share", "rollout.max_steps"},
     "server": {"engine.kind", "engine.sglang.command", "engine.sglang.env",
                "engine.sglang.export_dtype",
                "engine.sglang.health_timeout_s", "engine.sglang.host_gpus",

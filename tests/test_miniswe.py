@@ -17,6 +17,7 @@ import pytest
 from sandbox_backends import BACKENDS, backend_factory
 
 from bench.miniswe import sweep
+from env.episode import Episode
 from env.grading import grade
 from env.logparsers import parse_unittest
 from env.miniswe import TEST_RUN, expert_demo, generate_tasks
@@ -135,7 +136,7 @@ def test_difficulty_4_the_operator_is_read_from_the_expected_value(tmp_path):
         assert all(host_outcomes(t.repo_files, t.gold_patch, tmp_path).values())
         edit = expert_demo(t).calls[1]["arguments"]
         assert edit == {"command": "replace_lines", "path": "ops.py",
-                        "line_range": [bug["line"]] * 2, "new_str": "    " + bug["fixed"]}
+                        "line_range": [bug["line"]], "new_str": "    " + bug["fixed"]}
     assert repeated >= 6  # a buggy line that is not unique in its file is common
     assert {t.metadata["bugs"][0]["fixed"] for t in tasks} == {
         f"return a {op} b" for op in "+-*"}
@@ -151,6 +152,9 @@ def test_expert_text_and_imperfect_demos():
         assert all(x.startswith("<tool_call>\n{") and x.endswith("}\n</tool_call>")
                    for x in texts)
         assert [parse_tool_call(x) for x in texts] == demo.calls
+        if t.difficulty != 3:  # one bug: exploring runs the tests and searches first
+            assert [c["name"] for c in expert_demo(t, explore=True).calls[:3]] == [
+                "execute_bash", "search", "file_editor"]
         bad = expert_demo(t, imperfect=True, rng=rng)
         assert not bad.correct and bad.mistake in {"wrong_edit", "finish_early", "half_fix"}
         assert bad.mistake != "half_fix" or t.difficulty == 3
@@ -222,3 +226,25 @@ def test_difficulty_4_gold_untouched_and_expert(request, backend):
     tasks = generate_tasks(6, seed=2024, difficulties=(4,))
     problems = sweep(backend_factory(request, backend), tasks, range(6), {0, 3}.__contains__)
     assert not problems, problems
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exploring_demo_solves_and_a_3_step_budget_ends_it_before_its_edit(request, backend):
+    """The `budget` option's two ways of working, through real sandboxes: exploring
+    (tests, search, view, edit) solves the task given the steps; at max_steps=3 it ends
+    unedited and grades 0, while the direct way (view, edit, tests) grades 1."""
+    factory = backend_factory(request, backend)
+    for task in generate_tasks(2, seed=2025, difficulties=(4,)):
+        explore = expert_demo(task, explore=True)
+        assert [c["name"] for c in explore.calls] == [
+            "execute_bash", "search", "file_editor", "file_editor", "execute_bash", "finish"]
+        for demo, budget, want in ((explore, 30, ("finished", 1.0)),
+                                   (explore, 3, ("max_steps", 0.0)),
+                                   (expert_demo(task), 3, ("max_steps", 1.0))):
+            with Episode(factory, task, max_steps=budget) as episode:
+                episode.reset()
+                for call in demo.calls:
+                    if episode.done:
+                        break
+                    episode.step(call)
+                assert (episode.status, episode.reward()) == want, (task.instance_id, budget)

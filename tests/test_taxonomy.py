@@ -77,9 +77,13 @@ def test_a_line_edit_is_placed_by_its_range_and_judged_by_its_operator():
     def with_edit(**changes):
         return [calls[0], {**edit, "arguments": {**edit["arguments"], **changes}}, calls[-1]]
 
+    assert edit["arguments"]["line_range"] == [bug["line"]]  # the one line, as [line]
     assert tx.classify(_turns(calls), "finished", bugs) == "other"
-    assert tx.classify(_turns(with_edit(line_range=[bug["line"] - 1] * 2)), "finished",
-                       bugs) == "wrong_location"
+    assert tx.classify(_turns(with_edit(line_range=[bug["line"]] * 2)), "finished",
+                       bugs) == "other"
+    for span in ([bug["line"] - 1], [bug["line"] - 1] * 2):
+        assert tx.classify(_turns(with_edit(line_range=span)), "finished",
+                           bugs) == "wrong_location", span
     for span in ([bug["line"] + 4, bug["line"]], [bug["line"], bug["line"] + 1]):
         assert tx.classify(_turns(with_edit(line_range=span)), "finished",
                            bugs) == "range_slip", span

@@ -222,16 +222,22 @@ def test_replace_lines_names_its_place_by_number(tools):
     edit(line_range=[1, 2], new_str="def add(a, b):\n    c = a + b\n    return c\n")
     lines[0:2] = ["def add(a, b):", "    c = a + b", "    return c"]
     assert tools.sandbox.read_file("calc.py") == "\n".join(lines)
-    for bad in ([0, 1], [3, 2], [8, 8], [1]):
+    edit(line_range=[3], new_str="    c = a * b")  # one line: [line]
+    lines[2:3] = ["    c = a * b"]
+    assert tools.sandbox.read_file("calc.py") == "\n".join(lines)
+    edit(line_range=[3], new_str=lines[2] + "\n    c = c")  # ... by one or more
+    lines[2:3] = [lines[2], "    c = c"]
+    assert tools.sandbox.read_file("calc.py") == "\n".join(lines)
+    for bad in ([0, 1], [3, 2], [9, 9], [0], [9], [], [1, 2, 3]):
         assert edit(line_range=bad, new_str="x").observation.startswith(
-            f"ERROR: invalid line_range {bad}; calc.py has 7 lines"), bad
+            f"ERROR: invalid line_range {bad}; calc.py has 8 lines"), bad
     assert tools.sandbox.read_file("calc.py") == "\n".join(lines)
     assert "only allowed with the replace_lines" in run(
         tools, "file_editor", command="view", path="calc.py", line_range=[1, 1]).observation
     assert "needs the argument 'line_range'" in run(
         tools, "file_editor", command="replace_lines", path="calc.py", new_str="x").observation
-    run(tools, "file_editor", command="undo_edit", path="calc.py")
-    run(tools, "file_editor", command="undo_edit", path="calc.py")
+    for _ in range(4):
+        run(tools, "file_editor", command="undo_edit", path="calc.py")
     assert tools.sandbox.read_file("calc.py") == FILES["calc.py"]
 
 
