@@ -424,6 +424,7 @@ RANGES: dict[str, str] = {
     "sft.steps": "[0, inf)", "sft.batch_size": "[0, inf)", "sft.lr": "[0, inf)",
     "sft.warmup_steps": "[0, inf)", "sft.end_lr_frac": "[0, 1]", "sft.num_demos": "[0, inf)",
     "sft.imperfect_share": "[0, 1]", "sft.explore_share": "[0, 1]",
+    "sft.max_steps": "[0, inf)",
 }
 
 

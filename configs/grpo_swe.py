@@ -75,7 +75,7 @@ def get_config(arg=None, options=OPTIONS):
     c.spo = common.spo_defaults()
     _learner(c)
     c.sft = dict(steps=0, batch_size=0, lr=0.0, warmup_steps=0, end_lr_frac=0.0, num_demos=0,
-                 imperfect_share=0.0, explore_share=0.0)
+                 imperfect_share=0.0, explore_share=0.0, max_steps=0)
     _schedule(c)
     return common.lock(c)
 

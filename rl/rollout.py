@@ -123,6 +123,7 @@ class RolloutJob:
     prefix: PrefixTask | None = None  # start from step k of a source (replayed)
     seed: int = 0
     replay: str = "patch"
+    max_steps: int = 0  # a demonstration's own step limit; 0: the rollout section's
 
 
 def encode_jobs(jobs: Sequence[RolloutJob]) -> dict[str, Any]:
@@ -221,9 +222,11 @@ class Agent:
                 break
         return traj
 
-    async def demonstrate(self, task: Task, actions: Sequence[str]) -> Trajectory:
+    async def demonstrate(self, task: Task, actions: Sequence[str], max_steps: int = 0
+                          ) -> Trajectory:
         """A trajectory whose turns are the given assistant texts (e.g. a scripted expert's
-        tool calls), with exactly the token layout of a rollout; logprobs are 0."""
+        tool calls), with exactly the token layout of a rollout; logprobs are 0.
+        max_steps: the episode's step limit (0: the rollout section's)."""
         script = iter(actions)
 
         async def act(context, budget):
@@ -233,7 +236,7 @@ class Agent:
             ids = self.tokenizer.encode(text)[:budget]
             return ids, [0.0] * len(ids), None
 
-        return await self._run_once(RolloutJob(task), act)
+        return await self._run_once(RolloutJob(task, max_steps=max_steps), act)
 
     async def _generate(self, job: RolloutJob, attempt: int, context: list[int], budget: int):
         cfg = self.cfg
@@ -282,7 +285,8 @@ class Agent:
 
     def _start(self, job: RolloutJob, traj: Trajectory, sandbox):
         """A ready episode in `sandbox` and the ids to feed before the first generated turn."""
-        kwargs = {"max_steps": self.cfg.max_steps, "test_timeout": self.cfg.test_timeout_s,
+        kwargs = {"max_steps": job.max_steps or self.cfg.max_steps,
+                  "test_timeout": self.cfg.test_timeout_s,
                   "grades": self.grades if self.cfg.grade_cache else None,
                   "grading": self.cfg.grading,
                   "grader": functools.partial(self.pool.exchange, sandbox)}

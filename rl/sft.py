@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
     """The `sft` section: the warm start's length, batch and learning-rate schedule, and
-    its demonstrations (how many, the share of them imperfect, the share of the rest that
-    explore before they edit)."""
+    its demonstrations (how many, the share of them imperfect, the share that explore
+    before they edit, and the tool steps a demonstration may take: 0 holds it to
+    rollout.max_steps as RL's episodes are)."""
 
     steps: int
     batch_size: int
@@ -50,6 +51,7 @@ class SFTConfig:
     num_demos: int
     imperfect_share: float
     explore_share: float
+    max_steps: int
 
     def __post_init__(self):
         if self.steps and min(self.batch_size, self.num_demos) < 1:
@@ -159,7 +161,7 @@ async def demonstrations(cfg: SFTConfig, seed: int, agent: Agent,
         scripts.append((task, expert_actions_text(demo)))
     with progress(len(scripts), "demonstrations") as bar:
         async def one(task, actions):
-            traj = await agent.demonstrate(task, actions)
+            traj = await agent.demonstrate(task, actions, cfg.max_steps)
             bar.update(1)
             return traj
 

@@ -107,6 +107,14 @@ def test_expert_demonstration_token_accounting(model, tokenizer, factory):
     assert list(ids[mask == 1]) == [i for t in traj.turns for i in t.action_ids]
     assert [tokenizer.decode(t.action_ids) for t in traj.turns] == actions
     assert not logp[mask == 0].any()
+    # Held to a 2-step budget the demonstration is cut; given its own limit it is whole.
+    short = make_agent(model, tokenizer, factory, max_steps=2, max_response_tokens=2000,
+                       max_turn_tokens=400, max_context=4096)
+    cut = asyncio.run(short.demonstrate(task, actions))
+    assert (cut.status, len(cut.turns)) == ("max_steps", 2)
+    whole = asyncio.run(short.demonstrate(task, actions, max_steps=len(actions)))
+    assert whole.status == "finished" and whole.reward == 1.0
+    assert [t.action_ids for t in whole.turns] == [t.action_ids for t in traj.turns]
 
 
 def test_revisit_job_runs_from_the_start_and_is_marked(model, tokenizer, factory):
