@@ -35,6 +35,7 @@ import asyncio
 import dataclasses
 import json
 import os
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -42,6 +43,7 @@ import numpy as np
 from bench import experiments as ex
 from bench import seed_claims as sc
 from bench import taxonomy as tx
+from env.tools import ToolCallError, parse_tool_call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,13 +165,40 @@ def _curve(root: str, seed: int, arm: str) -> dict[int, float]:
     return dict(zip(steps, values, strict=True))
 
 
+def first_calls(root: str, seed: int, arm: str, step: int) -> dict | None:
+    """How the greedy held-out episodes at `step` began: the count of each first tool
+    call (`file_editor/view` looks at the file first; `execute_bash` runs the tests
+    first, the way that cannot reach its edit in the budget setting), and the passes by
+    it. Read from the eval's transcripts; None where that eval was not run."""
+    path = os.path.join(root, f"seed{seed}", arm, f"eval_{step}_transcripts.jsonl")
+    if not os.path.exists(path):
+        return None
+    counts, passed = Counter(), Counter()
+    with open(path) as f:
+        for row in map(json.loads, f):
+            first = row["text"].split("<|im_start|>assistant\n", 1)[-1].split("<|im_end|>")[0]
+            try:
+                call = parse_tool_call(first)
+            except ToolCallError:
+                name = "malformed"
+            else:
+                command = call["arguments"].get("command", "")
+                name = call["name"] + (f"/{command}" if call["name"] == "file_editor" else "")
+            counts[name] += 1
+            passed[name] += row["reward"] == 1.0
+    return {"first_call": dict(counts), "passed": dict(passed)}
+
+
 def report(setting: Setting, root: str, seeds: Sequence[int], name: str, note: str,
            out: str, arm: str) -> dict:
     """The try's record (`arm` against lr0, appended to the setting's tries in `out`) and
     the verdict."""
     path = os.path.join(root, f"seed{seeds[0]}", "measure.json")
     warm = sc._read_json(path)
-    per_seed = [{"seed": s, **paired(_curve(root, s, arm), _curve(root, s, "lr0"))}
+    per_seed = [{"seed": s, **paired(_curve(root, s, arm), _curve(root, s, "lr0")),
+                 "eval_first_calls": {a: {step: first_calls(root, s, a, step)
+                                          for step in (0, CRITERIA["steps"])}
+                                      for a in (arm, "lr0")}}
                 for s in seeds]
     record = {"try": name, "note": note, "arm": arm, "sets": SETS[arm], "seeds": list(seeds),
               "per_seed": per_seed, "histogram": warm.get("histogram"),

@@ -1,6 +1,8 @@
 """bench.decision_gate: the pre-registered paired verdict, checked against direct
 computation on made-up curves."""
 
+import json
+
 import numpy as np
 
 from bench import decision_gate as dg
@@ -42,3 +44,25 @@ def test_the_verdict_needs_every_seed_complete_above_the_bar_and_the_warm_start(
     wide = dg.paired(noisy, {s: 0.4 for s in range(1, 25)})
     assert wide["diff"] >= 0.05 and wide["ci_low"] <= 0
     assert not dg.passes([ok[0], wide], HIST, PREFIX)
+
+
+def test_first_calls_reads_how_each_held_out_episode_began(tmp_path):
+    from models.tokenizer import render_tool_call
+
+    def episode(call: str, reward: float) -> dict:
+        return {"task_id": "t", "reward": reward, "status": "max_steps", "error": "",
+                "text": "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+                        f"<|im_start|>assistant\n{call}<|im_end|>\n<|im_start|>user\nO"}
+
+    view = render_tool_call({"name": "file_editor",
+                             "arguments": {"command": "view", "path": "ops.py"}})
+    tests = render_tool_call({"name": "execute_bash", "arguments": {"command": "ls"}})
+    rows = [episode(view, 1.0), episode(view, 0.0), episode(tests, 0.0),
+            episode("<tool_call>{oops</tool_call>", 0.0)]
+    (tmp_path / "seed0" / "arm").mkdir(parents=True)
+    with open(tmp_path / "seed0" / "arm" / "eval_4_transcripts.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    assert dg.first_calls(str(tmp_path), 0, "arm", 4) == {
+        "first_call": {"file_editor/view": 2, "execute_bash": 1, "malformed": 1},
+        "passed": {"file_editor/view": 1, "execute_bash": 0, "malformed": 0}}
+    assert dg.first_calls(str(tmp_path), 0, "arm", 8) is None
