@@ -25,7 +25,8 @@ import pytest
 from sandbox_backends import IMAGE, ROOT, ensure_image
 
 from env.sandbox import FACTORY_LABEL, SandboxError, SandboxFactory, cgroup, fsread
-from env.sandbox.local import LocalLimits, LocalSandbox, reap_stale, uid_processes
+from env.sandbox.base import Source
+from env.sandbox.local import LocalLimits, LocalOptions, LocalSandbox, reap_stale, uid_processes
 from env.sandbox.pool import SandboxPool
 
 FILES = {
@@ -40,6 +41,7 @@ FILES = {
         """),
     "docs/readme.txt": "calculator\n",
 }
+UNISOLATED = LocalOptions(allow_unisolated=True)
 
 
 @pytest.fixture(scope="session")
@@ -228,7 +230,7 @@ def test_write_file_agrees_with_the_shell(monkeypatch):
             written.extend([path] if done else [])
             return done
         monkeypatch.setattr(fsread, "write_beneath", spy)
-        sb = LocalSandbox(repo_files=FILES, allow_unisolated=True)
+        sb = LocalSandbox(Source(repo_files=FILES), UNISOLATED)
         try:
             assert sb.run(WRITE_SETUP).exit_code == 0
             results = {}
@@ -271,9 +273,9 @@ def test_same_files_again_reuse_the_base_repository():
     patches equal to those of a repository git made, and a history of its own."""
     files = {**FILES, "data/crlf.txt": "a\r\nb\r\n", ".gitattributes": "*.txt text=auto\n",
              "nonce.txt": secrets.token_hex(8)}
-    first = LocalSandbox(repo_files=files, allow_unisolated=True)
-    again = LocalSandbox(repo_files=files, allow_unisolated=True)
-    other = LocalSandbox(repo_files={**files, "nonce.txt": "other"}, allow_unisolated=True)
+    first = LocalSandbox(Source(repo_files=files), UNISOLATED)
+    again = LocalSandbox(Source(repo_files=files), UNISOLATED)
+    other = LocalSandbox(Source(repo_files={**files, "nonce.txt": "other"}), UNISOLATED)
     try:
         assert again.base_commit == first.base_commit != other.base_commit
         check = "git fsck --full --strict 2>&1 && git status --porcelain && git log --format=%H"
@@ -452,7 +454,7 @@ def test_local_root_holds_only_the_sandbox_toolchain_and_read_only_paths(isolate
     with open("/etc/passwd") as f:
         host_users = {line.split(":")[0] for line in f if line.strip()}
     assert host_users - {"root", "nobody"}, "the host has accounts besides root and nobody"
-    with LocalSandbox(repo_files=FILES, read_only=[str(shared)]) as sb:
+    with LocalSandbox(Source(repo_files=FILES), LocalOptions(read_only=[str(shared)])) as sb:
         links = f"ln -s /etc/passwd p && ln -s {secret}/f.txt s && ln -s {shared}/f.txt v"
         assert sb.run(links).exit_code == 0
         users = {line.split(":")[0] for line in sb.read_file("p").splitlines()}
@@ -469,7 +471,7 @@ def test_local_root_holds_only_the_sandbox_toolchain_and_read_only_paths(isolate
         assert sb.run("whoami").output.strip() == "sandbox"
     for bad in (["relative/dir"], ["/"], "/opt"):
         with pytest.raises(ValueError, match="read_only"):
-            LocalSandbox(repo_files=FILES, read_only=bad)
+            LocalSandbox(Source(repo_files=FILES), LocalOptions(read_only=bad))
 
 
 def test_local_total_memory_bound_ends_a_command_not_the_sandbox(memory_cgroups):
@@ -478,7 +480,7 @@ def test_local_total_memory_bound_ends_a_command_not_the_sandbox(memory_cgroups)
     alone runs. Without the cgroup all three would run (sum 360 MiB)."""
     hold = "python3 -c 'b = bytearray(120 << 20); import time; time.sleep(2); print(\"held\")'"
     limits = LocalLimits(memory_bytes=1 << 30, total_memory_bytes=300 << 20)
-    with LocalSandbox(repo_files=FILES, limits=limits) as sb:
+    with LocalSandbox(Source(repo_files=FILES), LocalOptions(limits=limits)) as sb:
         group = sb._memory.path
         result = sb.run(f"for i in 1 2 3; do {hold} & done; wait")
         held = result.output.splitlines().count("held")
@@ -735,12 +737,12 @@ def test_local_supervisor_stop_says_clean_only_after_its_own_clean_up(tmp_path):
     """stop() is True only for a supervisor that exited by itself with code 0 (close()
     then skips its scan of /proc for the uid's processes), not for a killed one."""
     from env.sandbox.local import SAFE_PATH
-    from env.sandbox.supervisor import Supervisor
+    from env.sandbox.supervisor import Confinement, Supervisor
 
     for victim in (None, "group", "server"):
         root = tmp_path / str(victim)
         root.mkdir()
-        sup = Supervisor(str(root), {"PATH": SAFE_PATH}, None, {}, isolate=str(root))
+        sup = Supervisor(str(root), {"PATH": SAFE_PATH}, Confinement(isolate=str(root)))
         assert sup.run(["true"], 30).exit_code == 0
         if victim == "group":
             os.killpg(sup.proc.pid, signal.SIGKILL)

@@ -124,10 +124,11 @@ class DockerFleet:
             engine, token = self._reserve()
             release = functools.partial(self._release, engine, token)
             try:
-                sandbox = DockerSandbox(**{**self._defaults, **kwargs}, client=engine.client,
-                                        labels={**kwargs.get("labels", {}),
-                                                OWNER_LABEL: self.owner},
-                                        on_close=release, engine=engine.url)
+                source, options = base.from_keywords(DockerSandbox, {**self._defaults, **kwargs})
+                options = dataclasses.replace(
+                    options, client=engine.client, engine=engine.url,
+                    labels={**kwargs.get("labels", {}), OWNER_LABEL: self.owner})
+                sandbox = DockerSandbox(source, options, on_close=release)
                 break
             except base.SandboxError as e:
                 release()
