@@ -26,6 +26,7 @@ from sandbox_backends import IMAGE, ROOT, ensure_image
 
 from env.sandbox import FACTORY_LABEL, SandboxError, SandboxFactory, cgroup, fsread
 from env.sandbox.base import Source
+from env.sandbox.docker import DockerSandbox
 from env.sandbox.local import LocalLimits, LocalOptions, LocalSandbox, reap_stale, uid_processes
 from env.sandbox.pool import SandboxPool
 
@@ -418,6 +419,17 @@ def test_close_kills_running_command_and_removes_everything(make):
         sb.run("true")
     if make.backend == "local":
         assert not os.path.exists(sb.root)
+
+
+def test_a_backend_refuses_a_source_it_cannot_hold():
+    """The local backend takes no image; the docker one needs an image and takes no
+    repo_dir (a host directory it could not see)."""
+    with pytest.raises(ValueError, match="takes no image"):
+        LocalSandbox(Source(repo_files=FILES, image=IMAGE), UNISOLATED)
+    with pytest.raises(ValueError, match="not repo_dir"):
+        DockerSandbox(Source(image=IMAGE, repo_dir=ROOT))
+    with pytest.raises(ValueError, match="needs an image"):
+        DockerSandbox(Source(repo_files=FILES))
 
 
 def test_a_factory_refuses_an_unknown_keyword_when_made():

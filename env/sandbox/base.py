@@ -67,18 +67,14 @@ def from_keywords(sandbox: type, keywords: Mapping[str, Any]) -> tuple[Source, A
     """A backend's arguments given as keywords (a factory's defaults and a task's spec)
     -> (its Source, its options: `sandbox.Options`); TypeError naming any keyword the
     backend does not take."""
-    accepted = accepted_keywords(sandbox)
+    accepted = sorted([*sandbox.SOURCE_KEYS,
+                       *(f.name for f in dataclasses.fields(sandbox.Options))])
     unknown = sorted(set(keywords) - set(accepted))
     if unknown:
         raise TypeError(f"unknown keyword(s) {unknown}; {sandbox.__name__} accepts {accepted}")
     source = {k: v for k, v in keywords.items() if k in sandbox.SOURCE_KEYS}
     options = {k: v for k, v in keywords.items() if k not in sandbox.SOURCE_KEYS}
     return Source(**source), sandbox.Options(**options)
-
-
-def accepted_keywords(sandbox: type) -> list[str]:
-    """The keywords of a backend: its Source fields and its options' fields, sorted."""
-    return sorted([*sandbox.SOURCE_KEYS, *(f.name for f in dataclasses.fields(sandbox.Options))])
 
 
 class Sandbox(abc.ABC):

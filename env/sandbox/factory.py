@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from env.config import EnvConfig
-from env.sandbox.base import Sandbox, accepted_keywords, from_keywords
+from env.sandbox.base import Sandbox, from_keywords
 from env.sandbox.docker import DockerSandbox, docker_host, remove_containers
 from env.sandbox.fleet import DockerFleet
 from env.sandbox.local import LocalSandbox, reap_stale
@@ -117,12 +117,10 @@ class SandboxFactory:
 def check_keywords(backend: str, defaults: Mapping[str, Any]) -> None:
     """Refuses, at construction, a default the backend's sandbox does not take (a typo
     would otherwise fail at the first episode, as an env error)."""
-    sandbox = LocalSandbox if backend == "local" else DockerSandbox
-    accepted = accepted_keywords(sandbox)
-    unknown = sorted(set(defaults) - set(accepted))
-    if unknown:
-        raise TypeError(f"SandboxFactory({backend!r}) got unknown keyword(s) {unknown}; "
-                        f"{sandbox.__name__} accepts {accepted}")
+    try:
+        from_keywords(LocalSandbox if backend == "local" else DockerSandbox, defaults)
+    except TypeError as e:
+        raise TypeError(f"SandboxFactory({backend!r}) got {e}") from None
 
 
 class FleetFactory(SandboxFactory):

@@ -91,7 +91,8 @@ class DockerEngine:
 class DockerFleet:
     """Creates DockerSandboxes over `hosts` (DOCKER_HOST-style URLs: unix://, tcp://,
     ssh://), at most `slots_per_engine` alive on each; `sandbox_defaults` are
-    DockerSandbox arguments (image=, mem_limit=, ...)."""
+    DockerSandbox keywords (its Source's and DockerOptions' fields: image=, mem_limit=,
+    ...; base.from_keywords)."""
 
     def __init__(self, hosts: Sequence[str], slots_per_engine: int, *, probe_s: float = 5.0,
                  timeout_s: float = 60.0, wait_s: float = 600.0, **sandbox_defaults: Any):
