@@ -292,7 +292,7 @@ async def run(config, sections: Owners, workdir: str, eval_only: bool = False,
                   latency=slow_calls)
 
     # ------------------------------------------------------------------ learner, algorithm
-    r = Run(sections, workdir, mesh, graphdef, agent, sandboxes, eval_tasks)
+    r = Run(sections, workdir, mesh, graphdef, agent, eval_tasks)
     r.algo = algos.build(algos.Context(sections.algo, agent, train_tasks, r.score))
 
     if eval_only:
@@ -333,10 +333,10 @@ class Run:
     methods are the phases: resume or warm start, the KL reference, the RL steps,
     evaluation, checkpoints."""
 
-    def __init__(self, cfg: Owners, workdir: str, mesh, graphdef, agent: Agent, sandboxes,
-                 eval_tasks: list[Task]):  # (7: what `run` built before it, in its order)
+    def __init__(self, cfg: Owners, workdir: str, mesh, graphdef, agent: Agent,
+                 eval_tasks: list[Task]):
         self.cfg, self.workdir, self.mesh, self.graphdef = cfg, workdir, mesh, graphdef
-        self.agent, self.engine, self.sandboxes = agent, agent.engine, sandboxes
+        self.agent, self.engine, self.sandboxes = agent, agent.engine, agent.pool.factory
         self.eval_tasks = eval_tasks
         self.ckpt = Checkpointer(workdir, keep=cfg.loop.ckpt_keep)
         buckets, pad_id = cfg.learner.row_buckets, agent.tokenizer.pad_id
@@ -401,8 +401,11 @@ class Run:
         # one, e.g. a warm start cut short) are written again below.
         self.writer = MetricWriter(self.workdir, resume_step=first_step if resumed else -1)
         if not resumed and self.cfg.sft.steps:
-            state = await sft.warm_start(self.cfg.sft, self.cfg.learner, self.agent, train_tasks,
-                                         self.graphdef, state, self.mesh, self.writer)
+            demos = await sft.demonstrations(self.cfg.sft, self.cfg.learner.seed, self.agent,
+                                             train_tasks)
+            state = await sft.warm_start(self.cfg.sft, self.cfg.learner, demos,
+                                         nnx.merge(self.graphdef, state.params), self.mesh,
+                                         self.writer)
             await self.sync_weights(state.params)
             self.save(0, state)
         self.reference = self.kl_reference(resumed, state)

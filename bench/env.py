@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 
-from env.episode import Episode
+from env.episode import Episode, EpisodeOptions
 from env.miniswe import expert_demo, generate_tasks
 from env.sandbox import FleetFactory, SandboxFactory
 
@@ -51,7 +51,7 @@ from env.sandbox import FleetFactory, SandboxFactory
 def run_episode(factory, task, grading: str = "fresh") -> str:
     """'' when the expert episode ended as it should, else what went wrong."""
     demo = expert_demo(task)
-    with Episode(factory, task, grading=grading) as episode:
+    with Episode(factory, task, EpisodeOptions(grading=grading)) as episode:
         episode.reset()
         for tool_call in demo.calls:
             if episode.done:

@@ -39,7 +39,7 @@ import time
 
 import docker
 
-from env.episode import Episode
+from env.episode import Episode, EpisodeOptions
 from env.sandbox import SandboxFactory
 from env.tasks import Task, load_tasks
 
@@ -87,7 +87,7 @@ def log_summary(output: str) -> str:
 
 def run_case(factory, task: Task, actions: list[dict], grading: str = "fresh") -> dict:
     start = time.perf_counter()
-    with Episode(factory, task, grading=grading) as episode:
+    with Episode(factory, task, EpisodeOptions(grading=grading)) as episode:
         episode.reset()
         for action in [*actions, {"name": "finish", "arguments": {}}]:
             if episode.done:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from env.grading import GRADINGS, GradeCache, SandboxOpener, grade, grade_patch
@@ -57,8 +57,25 @@ class Mismatch:
     what: str = "observation"
 
 
+@dataclasses.dataclass(frozen=True)
+class EpisodeOptions:
+    """An episode's budget and grading (Episode).
+
+    max_steps: tool calls before the episode ends as "max_steps". test_timeout: seconds
+    the grading tests may take. prompt_template: the first observation, formatted with
+    the task's `problem_statement`. grading: "fresh" or "in_place" (Episode). tools:
+    keyword arguments of the episode's env.tools.ToolBox (e.g. bash_timeout).
+    """
+
+    max_steps: int = 30
+    test_timeout: float = 300.0
+    prompt_template: str = "{problem_statement}"
+    grading: str = "fresh"
+    tools: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
 class Episode:
-    """Steps tool calls through one sandbox of one task.
+    """Steps tool calls through one sandbox of one task, within `options` (EpisodeOptions).
 
     status: "running", then one of "finished" (finish called), "max_steps",
     "env_error" (the sandbox failed; `error` says how; reward is None).
@@ -73,12 +90,12 @@ class Episode:
       (e.g. env.latency.LatencyModel.sleep: a slow environment reproduced); None: none.
     """
 
-    def __init__(self, sandbox_factory: SandboxFactory | Sandbox, task: Task | None = None, *,
-                 max_steps: int = 30, test_timeout: float = 300.0,
-                 prompt_template: str = "{problem_statement}",
-                 grades: GradeCache | None = None, grading: str = "fresh",
+    def __init__(self, sandbox_factory: SandboxFactory | Sandbox, task: Task | None = None,
+                 options: EpisodeOptions = EpisodeOptions(), *,
+                 grades: GradeCache | None = None,
                  call_delay: Callable[[int], None] | None = None,
-                 grader: SandboxOpener | None = None, **tool_kwargs: Any):
+                 grader: SandboxOpener | None = None):
+        grading = options.grading
         if grading not in GRADINGS:
             raise ValueError(f"grading must be one of {GRADINGS}, got {grading!r}")
         if grader is None and not isinstance(sandbox_factory, Sandbox):
@@ -88,15 +105,11 @@ class Episode:
                              "grader= with one sandbox (or grading='in_place')")
         self._factory = sandbox_factory
         self.call_delay = call_delay
-        self.grading = grading
         self._grader = grader
         self.grades = grades if grading == "fresh" else None
         self.grade_cached = False
         self.task = task
-        self.max_steps = max_steps
-        self.test_timeout = test_timeout
-        self.prompt_template = prompt_template
-        self.tool_kwargs = tool_kwargs
+        self.options = options
         self.sandbox: Sandbox | None = None
         self.tools: ToolBox | None = None
         self.steps: list[StepRecord] = []
@@ -126,8 +139,8 @@ class Episode:
             except Exception as e:  # noqa: BLE001 - a bad task row or a failed engine alike
                 self._fail(e)
         if self.sandbox is not None:
-            self.tools = ToolBox(self.sandbox, repo_root=self.task.workdir, **self.tool_kwargs)
-        return self.prompt_template.format(problem_statement=self.task.problem_statement,
+            self.tools = ToolBox(self.sandbox, repo_root=self.task.workdir, **self.options.tools)
+        return self.options.prompt_template.format(problem_statement=self.task.problem_statement,
                                            workdir=self.task.workdir)
 
     def close(self) -> None:
@@ -183,7 +196,7 @@ class Episode:
         return observation, self.done
 
     def _budget_status(self) -> str:
-        return "max_steps" if len(self.steps) >= self.max_steps else "running"
+        return "max_steps" if len(self.steps) >= self.options.max_steps else "running"
 
     # ---- reward ------------------------------------------------------------------------------
 
@@ -192,7 +205,7 @@ class Episode:
         which a run in which the tests never ran also is. Fresh grading closes the
         episode's sandbox first."""
         if not self._graded and self.status != "env_error":
-            if self.sandbox is None and self.grading == "in_place":
+            if self.sandbox is None and self.options.grading == "in_place":
                 raise RuntimeError("in-place grading needs an open sandbox (before close())")
             try:
                 result = self._grade()
@@ -205,15 +218,15 @@ class Episode:
         return None if self.status == "env_error" else self._reward
 
     def _grade(self):
-        if self.grading == "in_place":
-            return grade(self.task, self.sandbox, self.test_timeout)
+        if self.options.grading == "in_place":
+            return grade(self.task, self.sandbox, self.options.test_timeout)
         # The patch after the last step is the tree's (read-only steps keep the last one);
         # it is all the grader sees.
         patch = self.steps[-1].patch if self.steps else ""
         self.close()
 
         def run():
-            return grade_patch(self.task, patch, self._grader, self.test_timeout)
+            return grade_patch(self.task, patch, self._grader, self.options.test_timeout)
 
         if self.grades is None:
             return run()

@@ -59,7 +59,7 @@ import numpy as np
 from flax import nnx
 
 from inference.engine import Engine, EngineError, GenerateRequest, GenerateResult
-from inference.sampling import sample_tokens
+from inference.sampling import RowSampling, sample_tokens
 from models import hf_io, qwen3
 
 log = logging.getLogger(__name__)
@@ -313,11 +313,10 @@ def _output_head(graphdef, params) -> jax.Array:
     return nnx.merge(graphdef, params).lm_head().astype(jnp.float32)
 
 
-def _sample_at(head, hidden, positions, seeds, temperature, top_p, top_k,
-               want_logp):  # (the traced arrays of a jitted call, one per operand)
+def _sample_at(head, hidden, positions, sampling: RowSampling):
     """Samples the token for `positions` [B] from hidden [B,d] and the head [d,V]."""
     logits = hidden.astype(jnp.float32) @ head
-    return sample_tokens(logits, temperature, top_p, top_k, seeds, positions, want_logp)
+    return sample_tokens(logits, sampling, positions)
 
 
 def _prefill(graphdef, params, head, pool_k, pool_v, slots, tokens, positions, start, last,
@@ -325,7 +324,7 @@ def _prefill(graphdef, params, head, pool_k, pool_v, slots, tokens, positions, s
     """Feeds `tokens` [R,P] at `positions` (-1: padding) into rows `slots`, whose
     positions [0, start) are already filled, and samples the token after index `last`.
 
-    sampling: (seeds, temperature, top_p, top_k, want_logp), [R] each.
+    sampling: the rows' RowSampling, [R] each.
     Returns (pool_k, pool_v, tokens [R], logp [R]).
     """
     model = nnx.merge(graphdef, params)
@@ -334,7 +333,7 @@ def _prefill(graphdef, params, head, pool_k, pool_v, slots, tokens, positions, s
     hidden, cache = model.decode(tokens, positions, qwen3.KVCache(k, v, valid, start))
     rows = jnp.arange(tokens.shape[0])
     nxt_pos = positions[rows, last] + 1
-    token, logp = _sample_at(head, hidden[rows, last], nxt_pos, *sampling)
+    token, logp = _sample_at(head, hidden[rows, last], nxt_pos, sampling)
     pool_k, pool_v = _write_back(pool_k, pool_v, slots, positions, cache.k, cache.v)
     return pool_k, pool_v, token, logp
 
@@ -367,7 +366,7 @@ def _decode(graphdef, params, head, pool_k, pool_v, slots, token, pos, remaining
         hidden, cache = model.decode(token[:, None], pos[:, None],
                                      qwen3.KVCache(k, v, filled, pos), layers)
         k, v, hidden = cache.k, cache.v, hidden[:, 0]
-        nxt, logp = _sample_at(head, hidden, pos + 1, *sampling)
+        nxt, logp = _sample_at(head, hidden, pos + 1, sampling)
         out_ids = out_ids.at[:, i].set(nxt)
         out_logp = out_logp.at[:, i].set(logp)
         n_out = n_out + active
@@ -726,16 +725,17 @@ class EmbeddedEngine(Engine):
             self._pool = (cache.k, cache.v)
         return self._pool
 
-    def _sampling(self, rows: Sequence[_Row], n: int):
-        """(seeds, temperature, top_p, top_k, want_logp) of `rows`, padded to n rows
-        (padding rows: greedy, no log-prob)."""
+    def _sampling(self, rows: Sequence[_Row], n: int) -> RowSampling:
+        """The sampling parameters of `rows`, padded to n rows (padding rows: greedy, no
+        log-prob)."""
         reqs = [r.pending.request for r in rows]
         pad = n - len(rows)
-        return (np.array([r.pending.seed for r in rows] + [0] * pad, np.uint32),
-                np.array([q.temperature for q in reqs] + [0.0] * pad, np.float32),
-                np.array([q.top_p for q in reqs] + [1.0] * pad, np.float32),
-                np.array([q.top_k for q in reqs] + [-1] * pad, np.int32),
-                np.array([q.return_logprob for q in reqs] + [False] * pad, bool))
+        return RowSampling(
+            temperature=np.array([q.temperature for q in reqs] + [0.0] * pad, np.float32),
+            top_p=np.array([q.top_p for q in reqs] + [1.0] * pad, np.float32),
+            top_k=np.array([q.top_k for q in reqs] + [-1] * pad, np.int32),
+            seeds=np.array([r.pending.seed for r in rows] + [0] * pad, np.uint32),
+            want_logp=np.array([q.return_logprob for q in reqs] + [False] * pad, bool))
 
     def _prefill(self, weights, rows: list[_Row]) -> None:
         fed = max(len(r.ids) - r.fed for r in rows)

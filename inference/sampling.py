@@ -18,11 +18,27 @@ the sampling.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 _BLOCK = 128  # tokens per block of the blockwise inverse CDF
 _ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+class RowSampling(NamedTuple):
+    """Each row's sampling parameters, [B] arrays (a pytree: one traced argument).
+
+    temperature: 0 = greedy. top_p: in (0, 1]. top_k: -1 = all. seeds: uint32; with a
+    row's position, it names the row's uniform (`uniform_at`). want_logp: bool, whether
+    the row wants its log-prob (None: every row does)."""
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    seeds: jax.Array
+    want_logp: jax.Array | None = None
 
 
 def threefry2x32(key: tuple[jax.Array, jax.Array],
@@ -176,13 +192,12 @@ def nucleus_mask(scaled: jax.Array, probs: jax.Array, top_p: jax.Array, below: j
     return keys >= hi[:, None]
 
 
-def _sample_truncated(scaled, lse, u, top_p, top_k, truncated,
-                      candidates: int):  # (traced per-row arrays, and a static size)
-    """Top-k / top-p sampling; among the `candidates` largest logits when they hold the
-    kept set of every `truncated` row; else rows with top-k off bisect for their top-p
-    threshold over the vocabulary (`nucleus_mask`), and only a top-k larger than the
-    candidates (k < V) sorts the vocabulary."""
-    vocab = scaled.shape[-1]
+def _sample_truncated(scaled, lse, u, rows: RowSampling, truncated, candidates: int):
+    """Top-k / top-p sampling (`rows`' top_p and top_k); among the `candidates` largest
+    logits when they hold the kept set of every `truncated` row; else rows with top-k off
+    bisect for their top-p threshold over the vocabulary (`nucleus_mask`), and only a
+    top-k larger than the candidates (k < V) sorts the vocabulary."""
+    top_p, top_k, vocab = rows.top_p, rows.top_k, scaled.shape[-1]
     values, index = jax.lax.top_k(scaled, min(candidates, vocab))
     c = values.shape[-1]
     k = jnp.where(top_k < 1, vocab, jnp.minimum(top_k, vocab))
@@ -213,22 +228,19 @@ def _sample_truncated(scaled, lse, u, top_p, top_k, truncated,
     return jax.lax.switch(branch, [among_candidates, with_nucleus, over_vocabulary])
 
 
-def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                  top_k: jax.Array, seeds: jax.Array, positions: jax.Array,
-                  want_logp: jax.Array | None = None,
-                  candidates: int = 64
-                  ) -> tuple[jax.Array, jax.Array]:  # (traced per-row sampling arrays)
+def sample_tokens(logits: jax.Array, rows: RowSampling, positions: jax.Array,
+                  candidates: int = 64) -> tuple[jax.Array, jax.Array]:
     """Draws one token per row.
 
-    logits[B,V] f32; temperature[B] (0 = greedy); top_p[B]; top_k[B]; seeds[B] uint32 and
-    positions[B] int32 name each row's uniform (`uniform_at`). A sampled row takes the
-    token where the CDF of the (truncated) softmax(logits / t) crosses its uniform. The
-    log-prob is log_softmax(logits / t)[token] over the full vocabulary (t = 1 when
-    greedy), which is what SGLang reports and what the learner recomputes.
-    want_logp[B] bool (None: all): when no row wants its log-prob and every row is
-    greedy, only the argmax is taken and logp is NaN.
+    logits[B,V] f32; rows: each row's sampling parameters; its seeds and positions[B]
+    int32 name each row's uniform (`uniform_at`). A sampled row takes the token where
+    the CDF of the (truncated) softmax(logits / t) crosses its uniform. The log-prob is
+    log_softmax(logits / t)[token] over the full vocabulary (t = 1 when greedy), which is
+    what SGLang reports and what the learner recomputes. When no row wants its log-prob
+    (rows.want_logp) and every row is greedy, only the argmax is taken and logp is NaN.
     Returns (tokens[B] int32, logp[B] f32).
     """
+    temperature, top_p, top_k = rows.temperature, rows.top_p, rows.top_k
     greedy = temperature <= 0.0
 
     def mixed():
@@ -237,12 +249,12 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
         scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
         blocks, block_max, top, weights, block_sum = _blocked_exp(scaled)
         lse = top + jnp.log(jnp.sum(block_sum, axis=-1))
-        u = uniform_at(seeds, positions)
+        u = uniform_at(rows.seeds, positions)
         truncated = ~greedy & ((top_p < 1.0) | (top_k > 0))
         plain = _blocked_inverse_cdf(weights, block_sum, u, scaled.shape[-1])
         cut = jax.lax.cond(
             jnp.any(truncated),
-            lambda: _sample_truncated(scaled, lse, u, top_p, top_k, truncated, candidates),
+            lambda: _sample_truncated(scaled, lse, u, rows, truncated, candidates),
             lambda: plain)
         argmax = _blocked_argmax(blocks, block_max)
         tokens = jnp.where(greedy, argmax, jnp.where(truncated, cut, plain))
@@ -256,6 +268,6 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
         tokens = _blocked_argmax(blocks, jax.lax.optimization_barrier(jnp.max(blocks, axis=-1)))
         return tokens, jnp.full(tokens.shape, jnp.nan, jnp.float32)
 
-    wanted = True if want_logp is None else jnp.any(want_logp)
+    wanted = True if rows.want_logp is None else jnp.any(rows.want_logp)
     branch = jnp.where(jnp.all(greedy), jnp.where(wanted, 1, 0), 2)
     return jax.lax.switch(branch, [argmax_only, lambda: greedy_tokens(logits), mixed])

@@ -232,7 +232,7 @@ METRIC_REDUCTIONS = {
 
 
 def policy_loss(cfg, logp, entropy, mb, weights, token_weights, *, old_logp,
-                kl_tok=None):  # 8: the traced arrays of a micro-batch, taken one by one
+                kl_tok=None):  # (traced in the jitted train step: the micro-batch's arrays)
     """Scalar loss of a micro-batch and its metric contributions.
 
     cfg: the loss section (name, agg, eps_low, eps_high, dual_clip, kl, kl_coef,

@@ -285,16 +285,16 @@ class Agent:
 
     def _start(self, job: RolloutJob, traj: Trajectory, sandbox):
         """A ready episode in `sandbox` and the ids to feed before the first generated turn."""
-        kwargs = {"max_steps": job.max_steps or self.cfg.max_steps,
-                  "test_timeout": self.cfg.test_timeout_s,
-                  "grades": self.grades if self.cfg.grade_cache else None,
-                  "grading": self.cfg.grading,
+        options = episode_lib.EpisodeOptions(max_steps=job.max_steps or self.cfg.max_steps,
+                                             test_timeout=self.cfg.test_timeout_s,
+                                             grading=self.cfg.grading)
+        kwargs = {"grades": self.grades if self.cfg.grade_cache else None,
                   "grader": functools.partial(self.pool.exchange, sandbox)}
         if self.latency is not None:
             kwargs["call_delay"] = functools.partial(self.latency.sleep, job.task.instance_id,
                                                      job.seed)
         if job.prefix is None or job.prefix.k == 0:  # (k = 0: a revisit, from the start)
-            episode = episode_lib.Episode(sandbox, job.task, **kwargs)
+            episode = episode_lib.Episode(sandbox, job.task, options, **kwargs)
             first = episode.reset()
             if episode.status == "env_error":
                 raise SandboxError(episode.error)
@@ -308,7 +308,8 @@ class Agent:
                                           self.tokenizer.decode(t.action_ids), t.unpatched)
                    for t in p.turns]
         episode, mismatches = episode_lib.restore(job.task, records, p.k, sandbox,
-                                                  reexec=job.replay == "reexec", **kwargs)
+                                                  reexec=job.replay == "reexec",
+                                                  options=options, **kwargs)
         for m in mismatches:
             log.warning("%s replay of %s to step %d: the %s of step %d differs from the "
                         "source's%s", job.replay, p.source_uid, p.k, m.what, m.step,

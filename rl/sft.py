@@ -149,6 +149,7 @@ async def demonstrations(cfg: SFTConfig, seed: int, agent: Agent,
     """Scripted expert demonstrations on training tasks, a share of them imperfect,
     rendered through the agent's own loop (identical token layout); over several
     processes each renders its share and all get every demonstration."""
+    t0 = time.perf_counter()
     rng = random.Random(seed)
     chosen = TaskSampler(train, seed=seed).next(cfg.num_demos)
     scripts = []
@@ -172,6 +173,9 @@ async def demonstrations(cfg: SFTConfig, seed: int, agent: Agent,
     kept = [d for d in demos if not d.is_env_error and d.num_generated_tokens]
     if not kept:
         raise RuntimeError(no_demonstrations_reason(demos))
+    log.info("SFT on %d demonstrations (%d correct, %d tokens; rendered in %.0fs)", len(kept),
+             sum(d.reward == 1 for d in kept), sum(len(d.token_arrays()[0]) for d in kept),
+             time.perf_counter() - t0)
     return kept
 
 
@@ -186,21 +190,15 @@ def no_demonstrations_reason(demos: Sequence[Trajectory]) -> str:
             f"or set sft.steps=0")
 
 
-async def warm_start(cfg: SFTConfig, learner_cfg: learner.LearnerConfig, agent: Agent,
-                     train_tasks: Sequence[Task], graphdef, state: learner.TrainState, mesh,
-                     writer: MetricWriter
-                     ) -> learner.TrainState:  # (8: two owners, the learner's three parts)
-    """SFT on scripted expert demonstrations, some imperfect, then a fresh RL optimizer."""
-    t0 = time.perf_counter()
-    demos = await demonstrations(cfg, learner_cfg.seed, agent, train_tasks)
-    log.info("SFT on %d demonstrations (%d correct, %d tokens; rendered in %.0fs)", len(demos),
-             sum(d.reward == 1 for d in demos), sum(len(d.token_arrays()[0]) for d in demos),
-             time.perf_counter() - t0)
+async def warm_start(cfg: SFTConfig, learner_cfg: learner.LearnerConfig,
+                     demos: Sequence[Trajectory], model: nnx.Module, mesh,
+                     writer: MetricWriter) -> learner.TrainState:
+    """SFT of `model` on `demos` (`demonstrations`), then a fresh RL optimizer."""
     t0 = time.perf_counter()
     epochs = max(1, round(cfg.steps * cfg.batch_size / len(demos)))
     total = epochs * -(-len(demos) // cfg.batch_size)
     sft_cfg = sft_learner_config(learner_cfg, cfg, total)
-    _, sft_state = learner.init_train_state(nnx.merge(graphdef, state.params), sft_cfg, mesh)
+    graphdef, sft_state = learner.init_train_state(model, sft_cfg, mesh)
     with progress(total, "SFT") as bar:
         def on_metrics(step, m):
             bar.update(1)

@@ -19,6 +19,7 @@ from inference.embedded import (
 )
 from inference.engine import GenerateRequest
 from inference.sampling import (
+    RowSampling,
     first_argmax,
     greedy_tokens,
     inverse_cdf,
@@ -489,8 +490,9 @@ def test_greedy_rows_take_the_first_argmax_and_its_log_softmax():
     temperature = np.where(np.arange(16) < 8, 0.0, 0.7).astype(np.float32)
     for t in (np.zeros(16, np.float32), temperature):  # all greedy, and mixed with sampled
         tokens, logp = jax.jit(sample_tokens)(
-            jnp.asarray(logits), jnp.asarray(t), jnp.ones(16), -jnp.ones(16, jnp.int32),
-            jnp.arange(16, dtype=jnp.uint32), jnp.zeros(16, jnp.int32))
+            jnp.asarray(logits), RowSampling(jnp.asarray(t), jnp.ones(16), -jnp.ones(16, jnp.int32),
+                                             jnp.arange(16, dtype=jnp.uint32)),
+            jnp.zeros(16, jnp.int32))
         greedy = t <= 0
         np.testing.assert_array_equal(np.asarray(tokens)[greedy], np.argmax(logits, -1)[greedy])
         lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
@@ -508,8 +510,9 @@ def test_log_probs_left_out_only_when_no_row_wants_them(mixed):
     lse = np.log(np.exp(logits.astype(np.float64)).sum(-1))
     for want in (np.zeros(8, bool), np.arange(8) == 5):
         tokens, logp = jax.jit(sample_tokens)(
-            jnp.asarray(logits), jnp.asarray(t), jnp.ones(8), -jnp.ones(8, jnp.int32),
-            jnp.arange(8, dtype=jnp.uint32), jnp.zeros(8, jnp.int32), jnp.asarray(want))
+            jnp.asarray(logits), RowSampling(jnp.asarray(t), jnp.ones(8), -jnp.ones(8, jnp.int32),
+                                             jnp.arange(8, dtype=jnp.uint32), jnp.asarray(want)),
+            jnp.zeros(8, jnp.int32))
         greedy = t <= 0
         np.testing.assert_array_equal(np.asarray(tokens)[greedy], np.argmax(logits, -1)[greedy])
         if want.any() or mixed:
@@ -526,8 +529,9 @@ def test_sample_frequencies_follow_truncated_softmax(candidates):
     sample = jax.jit(functools.partial(sample_tokens, candidates=candidates))
     for temperature, top_p, top_k in [(1.0, 1.0, -1), (0.5, 1.0, 3), (1.3, 0.8, -1)]:
         tokens, logp = sample(
-            jnp.tile(logits, (n, 1)), jnp.full(n, temperature), jnp.full(n, top_p),
-            jnp.full(n, top_k, jnp.int32), seeds, positions)
+            jnp.tile(logits, (n, 1)), RowSampling(jnp.full(n, temperature), jnp.full(n, top_p),
+                                                  jnp.full(n, top_k, jnp.int32), seeds),
+            positions)
         scaled = logits / temperature
         keep = _naive_keep(scaled, top_p, top_k)
         p = np.where(keep, np.exp(scaled - scaled.max()), 0)

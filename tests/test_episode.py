@@ -10,7 +10,7 @@ import random
 import pytest
 from sandbox_backends import BACKENDS, backend_factory, docker_defaults, tree_hashes
 
-from env.episode import Episode, restore, same_observation
+from env.episode import Episode, EpisodeOptions, restore, same_observation
 from env.grading import GradeCache, grade, r2e_outcome_matches
 from env.logparsers import parse_r2e
 from env.miniswe import expert_demo, generate_tasks
@@ -115,7 +115,7 @@ def test_replay_reports_what_it_could_not_restore(factory):
 def test_steps_patches_and_statuses(factory):
     task = generate_tasks(1, seed=4)[0]
     bug = task.metadata["bugs"][0]
-    with Episode(factory, task, max_steps=3) as episode:
+    with Episode(factory, task, EpisodeOptions(max_steps=3)) as episode:
         assert episode.reset() == task.problem_statement
         obs, done = episode.step("no call here")
         assert obs.startswith("ERROR: no tool call found") and not done
@@ -210,7 +210,7 @@ def test_killed_container_is_env_error(request):
     # Killed after finish, before grading: in place, no grade; fresh grading grades the
     # recorded patch in a new container.
     for grading, reward in (("in_place", None), ("fresh", 1.0)):
-        with Episode(factory, task, grading=grading) as episode:
+        with Episode(factory, task, EpisodeOptions(grading=grading)) as episode:
             episode.reset()
             for tool_call in expert_demo(task).calls:
                 episode.step(tool_call)

@@ -17,7 +17,7 @@ import pytest
 from sandbox_backends import BACKENDS, backend_factory
 
 from bench.miniswe import sweep
-from env.episode import Episode
+from env.episode import Episode, EpisodeOptions
 from env.grading import grade
 from env.logparsers import parse_unittest
 from env.miniswe import TEST_RUN, expert_demo, generate_tasks
@@ -241,7 +241,7 @@ def test_exploring_demo_solves_and_a_3_step_budget_ends_it_before_its_edit(reque
         for demo, budget, want in ((explore, 30, ("finished", 1.0)),
                                    (explore, 3, ("max_steps", 0.0)),
                                    (expert_demo(task), 3, ("max_steps", 1.0))):
-            with Episode(factory, task, max_steps=budget) as episode:
+            with Episode(factory, task, EpisodeOptions(max_steps=budget)) as episode:
                 episode.reset()
                 for call in demo.calls:
                     if episode.done:

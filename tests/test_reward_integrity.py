@@ -24,7 +24,7 @@ import tempfile
 import pytest
 from sandbox_backends import BACKENDS, docker_defaults, ensure_image, world_readable
 
-from env.episode import Episode
+from env.episode import Episode, EpisodeOptions
 from env.grading import GradeCache, grade, grade_patch
 from env.miniswe import generate_tasks
 from env.sandbox import SandboxFactory
@@ -70,7 +70,7 @@ def factory_for(request, backend: str, image: str | None = None, read_only: tupl
 def run_episode(factory, task: Task, commands: list[str], grading: str,
                 grades: GradeCache | None = None) -> tuple[float | None, Episode]:
     """Steps `commands` as bash tool calls, then grades: (reward, the episode)."""
-    with Episode(factory, task, grading=grading, grades=grades) as episode:
+    with Episode(factory, task, EpisodeOptions(grading=grading), grades=grades) as episode:
         episode.reset()
         for command in commands:
             observation, _ = episode.step({"name": "execute_bash",

@@ -25,7 +25,9 @@ import pytest
 from sandbox_backends import IMAGE, ROOT, ensure_image
 
 from env.sandbox import FACTORY_LABEL, SandboxError, SandboxFactory, cgroup, fsread
-from env.sandbox.local import LocalLimits, LocalSandbox, reap_stale, uid_processes
+from env.sandbox.base import Source
+from env.sandbox.docker import DockerSandbox
+from env.sandbox.local import LocalLimits, LocalOptions, LocalSandbox, reap_stale, uid_processes
 from env.sandbox.pool import SandboxPool
 
 FILES = {
@@ -40,6 +42,7 @@ FILES = {
         """),
     "docs/readme.txt": "calculator\n",
 }
+UNISOLATED = LocalOptions(allow_unisolated=True)
 
 
 @pytest.fixture(scope="session")
@@ -228,7 +231,7 @@ def test_write_file_agrees_with_the_shell(monkeypatch):
             written.extend([path] if done else [])
             return done
         monkeypatch.setattr(fsread, "write_beneath", spy)
-        sb = LocalSandbox(repo_files=FILES, allow_unisolated=True)
+        sb = LocalSandbox(Source(repo_files=FILES), UNISOLATED)
         try:
             assert sb.run(WRITE_SETUP).exit_code == 0
             results = {}
@@ -271,9 +274,9 @@ def test_same_files_again_reuse_the_base_repository():
     patches equal to those of a repository git made, and a history of its own."""
     files = {**FILES, "data/crlf.txt": "a\r\nb\r\n", ".gitattributes": "*.txt text=auto\n",
              "nonce.txt": secrets.token_hex(8)}
-    first = LocalSandbox(repo_files=files, allow_unisolated=True)
-    again = LocalSandbox(repo_files=files, allow_unisolated=True)
-    other = LocalSandbox(repo_files={**files, "nonce.txt": "other"}, allow_unisolated=True)
+    first = LocalSandbox(Source(repo_files=files), UNISOLATED)
+    again = LocalSandbox(Source(repo_files=files), UNISOLATED)
+    other = LocalSandbox(Source(repo_files={**files, "nonce.txt": "other"}), UNISOLATED)
     try:
         assert again.base_commit == first.base_commit != other.base_commit
         check = "git fsck --full --strict 2>&1 && git status --porcelain && git log --format=%H"
@@ -418,6 +421,17 @@ def test_close_kills_running_command_and_removes_everything(make):
         assert not os.path.exists(sb.root)
 
 
+def test_a_backend_refuses_a_source_it_cannot_hold():
+    """The local backend takes no image; the docker one needs an image and takes no
+    repo_dir (a host directory it could not see)."""
+    with pytest.raises(ValueError, match="takes no image"):
+        LocalSandbox(Source(repo_files=FILES, image=IMAGE), UNISOLATED)
+    with pytest.raises(ValueError, match="not repo_dir"):
+        DockerSandbox(Source(image=IMAGE, repo_dir=ROOT))
+    with pytest.raises(ValueError, match="needs an image"):
+        DockerSandbox(Source(repo_files=FILES))
+
+
 def test_a_factory_refuses_an_unknown_keyword_when_made():
     """A typo in a factory's defaults is refused at construction, naming the keyword and
     the accepted ones, not at the first episode as an env error."""
@@ -452,7 +466,7 @@ def test_local_root_holds_only_the_sandbox_toolchain_and_read_only_paths(isolate
     with open("/etc/passwd") as f:
         host_users = {line.split(":")[0] for line in f if line.strip()}
     assert host_users - {"root", "nobody"}, "the host has accounts besides root and nobody"
-    with LocalSandbox(repo_files=FILES, read_only=[str(shared)]) as sb:
+    with LocalSandbox(Source(repo_files=FILES), LocalOptions(read_only=[str(shared)])) as sb:
         links = f"ln -s /etc/passwd p && ln -s {secret}/f.txt s && ln -s {shared}/f.txt v"
         assert sb.run(links).exit_code == 0
         users = {line.split(":")[0] for line in sb.read_file("p").splitlines()}
@@ -469,7 +483,7 @@ def test_local_root_holds_only_the_sandbox_toolchain_and_read_only_paths(isolate
         assert sb.run("whoami").output.strip() == "sandbox"
     for bad in (["relative/dir"], ["/"], "/opt"):
         with pytest.raises(ValueError, match="read_only"):
-            LocalSandbox(repo_files=FILES, read_only=bad)
+            LocalSandbox(Source(repo_files=FILES), LocalOptions(read_only=bad))
 
 
 def test_local_total_memory_bound_ends_a_command_not_the_sandbox(memory_cgroups):
@@ -478,7 +492,7 @@ def test_local_total_memory_bound_ends_a_command_not_the_sandbox(memory_cgroups)
     alone runs. Without the cgroup all three would run (sum 360 MiB)."""
     hold = "python3 -c 'b = bytearray(120 << 20); import time; time.sleep(2); print(\"held\")'"
     limits = LocalLimits(memory_bytes=1 << 30, total_memory_bytes=300 << 20)
-    with LocalSandbox(repo_files=FILES, limits=limits) as sb:
+    with LocalSandbox(Source(repo_files=FILES), LocalOptions(limits=limits)) as sb:
         group = sb._memory.path
         result = sb.run(f"for i in 1 2 3; do {hold} & done; wait")
         held = result.output.splitlines().count("held")
@@ -735,12 +749,12 @@ def test_local_supervisor_stop_says_clean_only_after_its_own_clean_up(tmp_path):
     """stop() is True only for a supervisor that exited by itself with code 0 (close()
     then skips its scan of /proc for the uid's processes), not for a killed one."""
     from env.sandbox.local import SAFE_PATH
-    from env.sandbox.supervisor import Supervisor
+    from env.sandbox.supervisor import Confinement, Supervisor
 
     for victim in (None, "group", "server"):
         root = tmp_path / str(victim)
         root.mkdir()
-        sup = Supervisor(str(root), {"PATH": SAFE_PATH}, None, {}, isolate=str(root))
+        sup = Supervisor(str(root), {"PATH": SAFE_PATH}, Confinement(isolate=str(root)))
         assert sup.run(["true"], 30).exit_code == 0
         if victim == "group":
             os.killpg(sup.proc.pid, signal.SIGKILL)

@@ -16,8 +16,9 @@ import uuid
 import pytest
 from sandbox_backends import BACKENDS, docker_defaults
 
-from env.episode import Episode
+from env.episode import Episode, EpisodeOptions
 from env.sandbox import SandboxFactory
+from env.sandbox.base import Source
 from env.sandbox.local import IsolationUnavailable, LocalLimits, LocalSandbox
 from env.tasks import Task
 from models.tokenizer import render_tool_call
@@ -38,7 +39,7 @@ def factory_for(request, backend, **overrides):
 
 @pytest.fixture(params=BACKENDS)
 def episode(request):
-    with Episode(factory_for(request, request.param), TASK, max_steps=50) as ep:
+    with Episode(factory_for(request, request.param), TASK, EpisodeOptions(max_steps=50)) as ep:
         ep.reset()
         yield ep
 
@@ -98,7 +99,7 @@ def test_local_commands_cannot_see_the_trainer_or_write_the_host(tmp_path, monke
     secret = uuid.uuid4().hex
     monkeypatch.setenv("TRAINER_SECRET", secret)
     host_file = f"/tmp/sandbox-attack-{uuid.uuid4().hex}"
-    with socket.socket() as server, LocalSandbox(repo_files=FILES) as sb:
+    with socket.socket() as server, LocalSandbox(Source(repo_files=FILES)) as sb:
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
@@ -154,7 +155,7 @@ def test_local_setuid_programs_run_without_privilege():
     """su, passwd, chsh, chfn are setuid root on the host: in the sandbox they run with
     the command's own uid (real, effective, saved, filesystem), under no_new_privs."""
     assert SETUID_PROGRAMS, "no setuid-root program among su, passwd, chsh, chfn"
-    with LocalSandbox(repo_files={"probe.py": SETUID_PROBE}) as sb:
+    with LocalSandbox(Source(repo_files={"probe.py": SETUID_PROBE})) as sb:
         out = sb.run(f"python3 probe.py {' '.join(SETUID_PROGRAMS)}")
         uid = sb.run("id -u").output.strip()
     rows = [line.split() for line in out.output.splitlines()]
@@ -169,10 +170,13 @@ def test_local_refuses_to_run_unisolated_unless_allowed():
     is explicitly accepted."""
     marker = f"sleep {uuid.uuid4().int % 10**6 + 10**6}.5"  # left in the background
     script = ("import subprocess\n"
-              "from env.sandbox.local import LocalSandbox, IsolationUnavailable\n"
-              "try:\n    LocalSandbox(repo_files={'a': 'b'})\nexcept IsolationUnavailable as e:\n"
+              "from env.sandbox.base import Source\n"
+              "from env.sandbox.local import IsolationUnavailable, LocalOptions, LocalSandbox\n"
+              "try:\n    LocalSandbox(Source(repo_files={'a': 'b'}))\n"
+              "except IsolationUnavailable as e:\n"
               "    print('refused:', e)\n"
-              "with LocalSandbox(repo_files={'a': 'b'}, allow_unisolated=True) as sb:\n"
+              "with LocalSandbox(Source(repo_files={'a': 'b'}),\n"
+              "                  LocalOptions(allow_unisolated=True)) as sb:\n"
               f"    sb.run('(setsid {marker} &); {marker} & echo bg')\n"
               f"    left = subprocess.run(['pgrep', '-f', '^{marker}$']).returncode != 1\n"
               "    print(sb.isolated, left, sb.run('cat a').output)\n")

@@ -40,9 +40,10 @@ import time
 import pytest
 from sandbox_backends import BACKENDS, docker_defaults
 
-from env.episode import Episode
+from env.episode import Episode, EpisodeOptions
 from env.miniswe import generate_tasks
 from env.sandbox import FACTORY_LABEL, SandboxFactory, sandbox_spec
+from env.sandbox.base import Source
 from env.sandbox.local import LocalLimits, LocalSandbox
 from env.sandbox.pool import SandboxPool
 
@@ -185,7 +186,7 @@ def test_stress_random_kills_leave_nothing_behind(backend, request):
     tasks = generate_tasks(N_EPISODES, seed=SEED, difficulties=(0,))
     victim = f"sleep {secrets.randbelow(10**6) + 10**6}.5"  # no other process runs this
     if backend == "local":  # this process's fork server, which lives as long as it, first
-        LocalSandbox(repo_files={"a.py": ""}).close()
+        LocalSandbox(Source(repo_files={"a.py": ""})).close()
     children_before = descendants(proc_table())
     client, root_dir = None, None
     if backend == "docker":
@@ -259,8 +260,9 @@ def test_stress_random_kills_leave_nothing_behind(backend, request):
             if plan.kind == "cancel":
                 ready.set()
             # In place: the kills of the grading run hit this sandbox.
-            ep = Episode(sb, task, max_steps=8, test_timeout=STEP_TIMEOUT_S, grading="in_place",
-                         bash_timeout=STEP_TIMEOUT_S)
+            ep = Episode(sb, task, EpisodeOptions(max_steps=8, test_timeout=STEP_TIMEOUT_S,
+                                                  grading="in_place",
+                                                  tools={"bash_timeout": STEP_TIMEOUT_S}))
             ep.reset()
             if plan.fix_first:
                 await pool.call(ep.step, fix(task))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 from env.sandbox import shell
 
@@ -35,6 +37,44 @@ class ExecResult:
     output: str  # stdout and stderr interleaved, decoded with errors="replace"
     timed_out: bool = False
     truncated: bool = False  # output exceeded the cap and was cut
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """The repository a sandbox holds: a task's part of a sandbox's arguments
+    (factory.sandbox_spec makes it from a task; each backend takes the fields it names
+    in `SOURCE_KEYS`).
+
+    repo_files: path -> text content, committed as the base commit of a new history.
+    repo_dir: local: a directory to copy instead (of a git repository, only `base_commit`,
+      default HEAD, and its history, checked out; any other directory is committed as it is).
+    base_commit: the commit `patch()` diffs against and the tree starts at (not with
+      repo_files: a new history).
+    env_setup: shell run before every `run` command (an environment's activation).
+    image: docker: the image; its `workdir` holds the repository unless repo_files is given.
+    workdir: docker: the repository root inside the container (R2E-Gym, SWE-bench: /testbed).
+    """
+
+    repo_files: Mapping[str, str] | None = None
+    repo_dir: str | None = None
+    base_commit: str | None = None
+    env_setup: str = ""
+    image: str | None = None
+    workdir: str = "/testbed"
+
+
+def from_keywords(sandbox: type, keywords: Mapping[str, Any]) -> tuple[Source, Any]:
+    """A backend's arguments given as keywords (a factory's defaults and a task's spec)
+    -> (its Source, its options: `sandbox.Options`); TypeError naming any keyword the
+    backend does not take."""
+    accepted = sorted([*sandbox.SOURCE_KEYS,
+                       *(f.name for f in dataclasses.fields(sandbox.Options))])
+    unknown = sorted(set(keywords) - set(accepted))
+    if unknown:
+        raise TypeError(f"unknown keyword(s) {unknown}; {sandbox.__name__} accepts {accepted}")
+    source = {k: v for k, v in keywords.items() if k in sandbox.SOURCE_KEYS}
+    options = {k: v for k, v in keywords.items() if k not in sandbox.SOURCE_KEYS}
+    return Source(**source), sandbox.Options(**options)
 
 
 class Sandbox(abc.ABC):

@@ -25,6 +25,7 @@ apply raises ValueError, as for every backend.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import os
@@ -157,79 +158,87 @@ def _remove_container(client: docker.DockerClient, container_id: str,
     raise base.SandboxError(f"container {container_id[:12]} was still there after {wait_s}s")
 
 
-class DockerSandbox(base.Sandbox):
-    """One container holding the task repository at `workdir`.
+@dataclasses.dataclass(frozen=True)
+class DockerOptions:
+    """How Docker sandboxes are made (a factory's defaults; the task gives the Source).
 
-    Args:
-      image: image name; its `workdir` holds the repository unless `repo_files` is given.
-      workdir: repository root inside the container (R2E-Gym / SWE-bench images: /testbed).
-      base_commit: commit `patch()` diffs against and the tree starts at (default HEAD;
-        a directory that is no git repo is committed as it is).
-      repo_files: path -> text content written to a fresh `workdir` and committed as base.
-      mem_limit: memory limit in bytes or a docker size string ("2g"); swap is disabled.
-      nano_cpus: CPU quota in 1e-9 CPUs.
-      pids_limit: maximum number of processes in the container.
-      max_output_bytes: cap on the output kept per `run` (head and tail halves).
-      max_patch_bytes: cap on `patch()` (PatchTooLarge beyond it).
-      file_size_bytes: the largest file a command may write ("File size limit exceeded").
-      disk_bytes: cap on the container's writable layer, where the storage driver allows.
-      labels: extra container labels (LABEL=1 is always set).
-      client: docker client (default: `connect()`).
-      on_close: called once when the sandbox is closed, with the SandboxError of a failed
-        removal or None (a fleet frees the engine's slot, or marks a silent engine down).
-      engine: the engine's name in logs (default: the client's base URL).
-      env_setup: shell run before every `run` command: the image's environment
-        activation (official images activate theirs only in an interactive `.bashrc`).
+    mem_limit: memory limit in bytes or a docker size string ("2g"); swap is disabled.
+    nano_cpus: CPU quota in 1e-9 CPUs.
+    pids_limit: maximum number of processes in the container.
+    max_output_bytes: cap on the output kept per `run` (head and tail halves).
+    max_patch_bytes: cap on `patch()` (PatchTooLarge beyond it).
+    file_size_bytes: the largest file a command may write ("File size limit exceeded").
+    disk_bytes: cap on the container's writable layer, where the storage driver allows.
+    labels: extra container labels (LABEL=1 is always set).
+    client: docker client (default: `connect()`).
+    engine: the engine's name in logs (default: the client's base URL).
     """
 
-    def __init__(
-        self,
-        image: str,
-        workdir: str = "/testbed",
-        base_commit: str | None = None,
-        repo_files: Mapping[str, str] | None = None,
-        mem_limit: int | str = "2g",
-        nano_cpus: int = 2_000_000_000,
-        pids_limit: int = 256,
-        max_output_bytes: int = 1 << 20,
-        max_patch_bytes: int = base.MAX_PATCH_BYTES,
-        file_size_bytes: int = 256 << 20,
-        disk_bytes: int | None = 4 << 30,
-        labels: Mapping[str, str] | None = None,
-        client: docker.DockerClient | None = None,
-        on_close: Callable[[Exception | None], object] | None = None,
-        engine: str = "",
-        env_setup: str = "",
-    ):
+    mem_limit: int | str = "2g"
+    nano_cpus: int = 2_000_000_000
+    pids_limit: int = 256
+    max_output_bytes: int = 1 << 20
+    max_patch_bytes: int = base.MAX_PATCH_BYTES
+    file_size_bytes: int = 256 << 20
+    disk_bytes: int | None = 4 << 30
+    labels: Mapping[str, str] | None = None
+    client: docker.DockerClient | None = None
+    engine: str = ""
+
+
+class DockerSandbox(base.Sandbox):
+    """One container of `source.image` holding the task repository at `source.workdir`.
+
+    source: the image, and in it the repository: the image's own at `workdir` (from
+    `base_commit`, default HEAD; a directory that is no git repository is committed as it
+    is), or `repo_files` written to a fresh `workdir`; and its `env_setup`, the image's
+    environment activation (official images activate theirs only in an interactive
+    `.bashrc`) (base.Source). options: the container's limits and engine.
+    on_close: called once when the sandbox is closed, with the SandboxError of a failed
+    removal or None (a fleet frees the engine's slot, or marks a silent engine down).
+    """
+
+    SOURCE_KEYS = ("image", "workdir", "base_commit", "repo_files", "env_setup")
+    Options = DockerOptions
+
+    def __init__(self, source: base.Source, options: DockerOptions = DockerOptions(),
+                 on_close: Callable[[Exception | None], object] | None = None):
+        workdir, image = source.workdir, source.image
+        if not image:
+            raise ValueError("a docker sandbox needs an image")
+        if source.repo_dir is not None:
+            raise ValueError("the docker backend takes an image or repo_files, not repo_dir")
         if not posixpath.isabs(workdir):
             raise ValueError(f"workdir must be an absolute path, got {workdir!r}")
-        if repo_files is not None and base_commit is not None:
+        if source.repo_files is not None and source.base_commit is not None:
             raise ValueError("base_commit cannot be combined with repo_files (new history)")
         self.workdir = workdir
-        self.max_output_bytes = max_output_bytes
-        self.max_patch_bytes = max_patch_bytes
-        self.file_size_bytes = file_size_bytes
-        self.env_setup = env_setup
+        self.max_output_bytes = options.max_output_bytes
+        self.max_patch_bytes = options.max_patch_bytes
+        self.file_size_bytes = options.file_size_bytes
+        self.env_setup = source.env_setup
         self.container_id: str | None = None
         # Set (to the reason) when the engine is known to be down: every later call fails
         # at once instead of waiting on an engine that does not answer.
         self.lost = ""
         self._on_close = on_close
-        self._client = client or connect()
-        self.engine = engine or self._client.api.base_url  # (for logs and metrics)
-        options = dict(detach=True, network_mode="none", mem_limit=mem_limit,
-                       memswap_limit=mem_limit, nano_cpus=nano_cpus, pids_limit=pids_limit,
-                       labels={LABEL: "1", **(labels or {})})
-        container = self._create(image, options, disk_bytes)
+        self._client = options.client or connect()
+        self.engine = options.engine or self._client.api.base_url  # (for logs and metrics)
+        limits = dict(detach=True, network_mode="none", mem_limit=options.mem_limit,
+                      memswap_limit=options.mem_limit, nano_cpus=options.nano_cpus,
+                      pids_limit=options.pids_limit,
+                      labels={LABEL: "1", **(options.labels or {})})
+        container = self._create(image, limits, options.disk_bytes)
         self.container_id = container.id
         try:
             with docker_errors("starting the container", self.engine):
                 container.start()
-            if repo_files is not None:  # tar extraction creates the missing directories
+            if source.repo_files is not None:  # tar extraction creates the missing directories
                 root = workdir.strip("/")
                 self._put_files("/", {posixpath.join(root, repo_relative(p)): c.encode()
-                                      for p, c in repo_files.items()})
-            self.base_commit = self._init_git(base_commit, mkdir=repo_files is not None)
+                                      for p, c in source.repo_files.items()})
+            self.base_commit = self._init_git(source.base_commit,
+                                              mkdir=source.repo_files is not None)
         except BaseException:
             self.close()
             raise

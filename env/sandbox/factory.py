@@ -8,7 +8,6 @@ containers); the sandboxes themselves are bounded and closed by env.sandbox.pool
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import uuid
@@ -16,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from env.config import EnvConfig
-from env.sandbox.base import Sandbox
+from env.sandbox.base import Sandbox, from_keywords
 from env.sandbox.docker import DockerSandbox, docker_host, remove_containers
 from env.sandbox.fleet import DockerFleet
 from env.sandbox.local import LocalSandbox, reap_stale
@@ -91,12 +90,13 @@ class SandboxFactory:
         """A sandbox from backend arguments: the defaults, overridden by `spec`."""
         kwargs = {**self.defaults, **spec}
         if self.backend == "local":
-            sandbox = LocalSandbox(**kwargs)
+            sandbox = LocalSandbox(*from_keywords(LocalSandbox, kwargs))
             if sandbox.no_memory_cgroup:
                 with self._lock:
                     self._no_memory_cgroup += 1
             return sandbox
-        return DockerSandbox(**{**kwargs, "labels": {**kwargs.get("labels", {}), **self.labels}})
+        return DockerSandbox(*from_keywords(
+            DockerSandbox, {**kwargs, "labels": {**kwargs.get("labels", {}), **self.labels}}))
 
     def metrics(self) -> dict[str, float]:
         """Scalars for the step's metrics row: for local sandboxes, how many made since
@@ -117,12 +117,10 @@ class SandboxFactory:
 def check_keywords(backend: str, defaults: Mapping[str, Any]) -> None:
     """Refuses, at construction, a default the backend's sandbox does not take (a typo
     would otherwise fail at the first episode, as an env error)."""
-    sandbox = LocalSandbox if backend == "local" else DockerSandbox
-    accepted = sorted(p for p in inspect.signature(sandbox.__init__).parameters if p != "self")
-    unknown = sorted(set(defaults) - set(accepted))
-    if unknown:
-        raise TypeError(f"SandboxFactory({backend!r}) got unknown keyword(s) {unknown}; "
-                        f"{sandbox.__name__} accepts {accepted}")
+    try:
+        from_keywords(LocalSandbox if backend == "local" else DockerSandbox, defaults)
+    except TypeError as e:
+        raise TypeError(f"SandboxFactory({backend!r}) got {e}") from None
 
 
 class FleetFactory(SandboxFactory):

@@ -91,7 +91,8 @@ class DockerEngine:
 class DockerFleet:
     """Creates DockerSandboxes over `hosts` (DOCKER_HOST-style URLs: unix://, tcp://,
     ssh://), at most `slots_per_engine` alive on each; `sandbox_defaults` are
-    DockerSandbox arguments (image=, mem_limit=, ...)."""
+    DockerSandbox keywords (its Source's and DockerOptions' fields: image=, mem_limit=,
+    ...; base.from_keywords)."""
 
     def __init__(self, hosts: Sequence[str], slots_per_engine: int, *, probe_s: float = 5.0,
                  timeout_s: float = 60.0, wait_s: float = 600.0, **sandbox_defaults: Any):
@@ -124,10 +125,11 @@ class DockerFleet:
             engine, token = self._reserve()
             release = functools.partial(self._release, engine, token)
             try:
-                sandbox = DockerSandbox(**{**self._defaults, **kwargs}, client=engine.client,
-                                        labels={**kwargs.get("labels", {}),
-                                                OWNER_LABEL: self.owner},
-                                        on_close=release, engine=engine.url)
+                source, options = base.from_keywords(DockerSandbox, {**self._defaults, **kwargs})
+                options = dataclasses.replace(
+                    options, client=engine.client, engine=engine.url,
+                    labels={**kwargs.get("labels", {}), OWNER_LABEL: self.owner})
+                sandbox = DockerSandbox(source, options, on_close=release)
                 break
             except base.SandboxError as e:
                 release()

@@ -77,7 +77,7 @@ from collections.abc import Mapping, Sequence
 
 from env.paths import repo_relative
 from env.sandbox import base, cgroup, fsread, shell
-from env.sandbox.supervisor import TOOLCHAIN, Completed, RootView, Supervisor
+from env.sandbox.supervisor import TOOLCHAIN, Completed, Confinement, RootView, Supervisor
 
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 GIT_IDENTITY = ["-c", "user.name=sandbox", "-c", "user.email=sandbox@localhost"]
@@ -114,59 +114,62 @@ class LocalLimits:
         return {name: int(v) for name, v in named.items() if v is not None}
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalOptions:
+    """How local sandboxes are made (a factory's defaults; the task gives the Source).
+
+    limits: per-command rlimits.
+    max_output_bytes: cap on the output kept per `run` (head and tail halves).
+    max_patch_bytes: cap on `patch()` (PatchTooLarge beyond it).
+    env: extra environment variables for commands.
+    root_dir: where the temp directory is created (default: the system temp dir).
+    allow_unisolated: where isolation cannot be had (no root, no namespaces), run
+      commands anyway, with the calling user's rights; otherwise IsolationUnavailable.
+    disk_bytes: cap on everything the sandbox directory holds (a tmpfs of that size;
+      isolated sandboxes only: the mount needs root).
+    read_only: host paths an isolated command sees (read-only) besides the toolchain,
+      e.g. an environment that `env_setup` activates.
+    """
+
+    limits: LocalLimits = LocalLimits()
+    max_output_bytes: int = 1 << 20
+    max_patch_bytes: int = base.MAX_PATCH_BYTES
+    env: Mapping[str, str] | None = None
+    root_dir: str | None = None
+    allow_unisolated: bool = False
+    disk_bytes: int | None = 1 << 30
+    read_only: Sequence[str] = ()
+
+
 class LocalSandbox(base.Sandbox):
     """A git checkout in a temp directory; commands run under its supervisor.
 
-    Args:
-      repo_files: path -> text content; committed as the base commit of a new repo.
-      repo_dir: a directory to copy instead (of a git repo, only `base_commit`, default
-        HEAD, and its history, checked out; any other directory is committed as it is).
-      base_commit: commit of `repo_dir` to start from (only with a git `repo_dir`).
-      limits: per-command rlimits.
-      max_output_bytes: cap on the output kept per `run` (head and tail halves).
-      max_patch_bytes: cap on `patch()` (PatchTooLarge beyond it).
-      env: extra environment variables for commands.
-      root_dir: where the temp directory is created (default: the system temp dir).
-      env_setup: shell run before every `run` command (an environment's activation).
-      disk_bytes: cap on everything the sandbox directory holds (a tmpfs of that size;
-        isolated sandboxes only: the mount needs root).
-      allow_unisolated: where isolation cannot be had (no root, no namespaces), run
-        commands anyway, with the calling user's rights; otherwise IsolationUnavailable.
-      read_only: host paths an isolated command sees (read-only) besides the toolchain,
-        e.g. an environment that `env_setup` activates.
+    source: the repository, from `repo_files` or `repo_dir` (with `base_commit`), and its
+    `env_setup` (base.Source); options: how the sandbox is made and bounded.
     """
 
-    def __init__(
-        self,
-        repo_files: Mapping[str, str] | None = None,
-        repo_dir: str | None = None,
-        base_commit: str | None = None,
-        limits: LocalLimits = LocalLimits(),
-        max_output_bytes: int = 1 << 20,
-        max_patch_bytes: int = base.MAX_PATCH_BYTES,
-        env: Mapping[str, str] | None = None,
-        root_dir: str | None = None,
-        env_setup: str = "",
-        allow_unisolated: bool = False,
-        disk_bytes: int | None = 1 << 30,
-        read_only: Sequence[str] = (),
-    ):
+    SOURCE_KEYS = ("repo_files", "repo_dir", "base_commit", "env_setup")
+    Options = LocalOptions
+
+    def __init__(self, source: base.Source, options: LocalOptions = LocalOptions()):
         self.isolated = isolation_available()
-        if not self.isolated and not allow_unisolated:
+        if not self.isolated and not options.allow_unisolated:
             raise IsolationUnavailable(
                 "the local sandbox cannot isolate commands here (it needs root and Linux "
                 "mount/PID/network namespaces): they would run with the trainer's rights. "
                 "Use the docker backend, or accept running untrusted code unisolated "
-                "(env.local_allow_unisolated=True, LocalSandbox(allow_unisolated=True)).")
-        if (repo_files is None) == (repo_dir is None):
+                "(env.local_allow_unisolated=True, LocalOptions(allow_unisolated=True)).")
+        if (source.repo_files is None) == (source.repo_dir is None):
             raise ValueError("give exactly one of repo_files and repo_dir")
-        if base_commit is not None and repo_dir is None:
+        if source.base_commit is not None and source.repo_dir is None:
             raise ValueError("base_commit needs repo_dir (repo_files start a new history)")
-        self.view = RootView(read_only=TOOLCHAIN + _extra_paths(read_only))
-        self.limits = limits
-        self.max_output_bytes = max_output_bytes
-        self.max_patch_bytes = max_patch_bytes
-        self.env_setup = env_setup
+        if source.image is not None:
+            raise ValueError("the local backend takes no image")
+        self.view = RootView(read_only=TOOLCHAIN + _extra_paths(options.read_only))
+        self.limits = options.limits
+        self.max_output_bytes = options.max_output_bytes
+        self.max_patch_bytes = options.max_patch_bytes
+        self.env_setup = source.env_setup
         self._lock = threading.Lock()
         # The supervisor while a command runs (its process group holds the command's).
         self._running: set = set()
@@ -183,45 +186,50 @@ class LocalSandbox(base.Sandbox):
         self._uid = secrets.randbelow(UID_RANGE[1] - UID_RANGE[0]) + UID_RANGE[0]
         if os.geteuid() != 0:
             self._uid = None
-        self.root = tempfile.mkdtemp(prefix=PREFIX, dir=root_dir)
+        self.root = tempfile.mkdtemp(prefix=PREFIX, dir=options.root_dir)
         try:
-            if self.isolated and disk_bytes:
-                _mount_quota(self.root, disk_bytes)
-            with open(os.path.join(self.root, OWNER_FILE), "w") as f:
-                json.dump({"owner": _process_identity(os.getpid())}, f)
-            self.repo = os.path.join(self.root, "repo")
-            self._env = self._make_env(env)
-            if repo_files is not None:
-                self.base_commit = self._init_from_files(repo_files)
-            else:
-                self.base_commit = self._init_from_dir(repo_dir, base_commit)
-            os.makedirs(os.path.join(self.repo, ".git", "info"), exist_ok=True)
-            with open(os.path.join(self.repo, ".git", "info", "exclude"), "a+") as f:
-                f.write(shell.GIT_EXCLUDES)
-                f.seek(0)
-                self._excludes = f.read()  # as made: `patch` writes it back (shell.py)
-            # The directory commands run in, as it was before any ran (a command may
-            # rename it): where read_file reads, and its path with links resolved (the
-            # same inside the supervisor's namespaces: a bind mount onto itself).
-            self._repo_fd = fsread.open_root(self.repo)
-            self._real_root = os.path.realpath(self.repo)
-            if self._uid is not None:
-                self._check_traversable()
-                _chown_tree(self.root, self._uid)
-            if self.isolated and limits.total_memory_bytes:
-                self._memory = cgroup.MemoryGroup.create(os.path.basename(self.root),
-                                                         limits.total_memory_bytes)
-            if limits.total_memory_bytes and self._memory is None:
-                self.no_memory_cgroup = True
-                _warn_no_memory_cgroup(self.isolated)
-            self._supervisor = Supervisor(self.repo, self._env, self._uid,
-                                          limits.rlimits(), self.root if self.isolated else None,
-                                          self.view, self._memory and self._memory.procs)
+            self._setup(source, options)
         except BaseException:
             self.close()
             raise
 
     # -- setup ------------------------------------------------------------------------
+
+    def _setup(self, source: base.Source, options: LocalOptions) -> None:
+        """The sandbox directory, its repository and its supervisor."""
+        if self.isolated and options.disk_bytes:
+            _mount_quota(self.root, options.disk_bytes)
+        with open(os.path.join(self.root, OWNER_FILE), "w") as f:
+            json.dump({"owner": _process_identity(os.getpid())}, f)
+        self.repo = os.path.join(self.root, "repo")
+        self._env = self._make_env(options.env)
+        if source.repo_files is not None:
+            self.base_commit = self._init_from_files(source.repo_files)
+        else:
+            self.base_commit = self._init_from_dir(source.repo_dir, source.base_commit)
+        os.makedirs(os.path.join(self.repo, ".git", "info"), exist_ok=True)
+        with open(os.path.join(self.repo, ".git", "info", "exclude"), "a+") as f:
+            f.write(shell.GIT_EXCLUDES)
+            f.seek(0)
+            self._excludes = f.read()  # as made: `patch` writes it back (shell.py)
+        # The directory commands run in, as it was before any ran (a command may
+        # rename it): where read_file reads, and its path with links resolved (the
+        # same inside the supervisor's namespaces: a bind mount onto itself).
+        self._repo_fd = fsread.open_root(self.repo)
+        self._real_root = os.path.realpath(self.repo)
+        if self._uid is not None:
+            self._check_traversable()
+            _chown_tree(self.root, self._uid)
+        limits = options.limits
+        if self.isolated and limits.total_memory_bytes:
+            self._memory = cgroup.MemoryGroup.create(os.path.basename(self.root),
+                                                     limits.total_memory_bytes)
+        if limits.total_memory_bytes and self._memory is None:
+            self.no_memory_cgroup = True
+            _warn_no_memory_cgroup(self.isolated)
+        self._supervisor = Supervisor(self.repo, self._env, Confinement(
+            self._uid, limits.rlimits(), self.root if self.isolated else None, self.view,
+            self._memory and self._memory.procs))
 
     def _make_env(self, extra: Mapping[str, str] | None) -> dict[str, str]:
         home, tmp = os.path.join(self.root, "home"), os.path.join(self.root, "tmp")
@@ -566,7 +574,7 @@ def isolation_available() -> bool:
         return False
     with tempfile.TemporaryDirectory() as root:
         try:
-            probe = Supervisor(root, {"PATH": SAFE_PATH}, None, {}, isolate=root)
+            probe = Supervisor(root, {"PATH": SAFE_PATH}, Confinement(isolate=root))
         except base.SandboxError:
             return False
         try:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 
 from env.sandbox import base
 from env.sandbox.output import CappedOutput
@@ -79,22 +80,38 @@ class Completed:
     stderr: bytearray
 
 
+@dataclasses.dataclass(frozen=True)
+class Confinement:
+    """What confines a supervisor's commands (supervisor_main.py).
+
+    uid: the uid commands run as (None: the caller's). rlimits: per-command rlimits by
+    name. isolate: the sandbox directory, to run in new namespaces (None: not), with a
+    root that holds only it and `view`. cgroup: the `cgroup.procs` file of the memory
+    cgroup the supervisor and its commands join (None: none).
+    """
+
+    uid: int | None = None
+    rlimits: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    isolate: str | None = None
+    view: RootView = RootView()
+    cgroup: str | None = None
+
+    def config(self, home: str) -> dict:
+        """The supervisor's config, its commands' home directory being `home`."""
+        return {"uid": self.uid, "gid": self.uid, "rlimits": dict(self.rlimits),
+                "isolate": self.isolate, "view": self.view.config(self.uid, home),
+                "cgroup": self.cgroup}
+
+
 class Supervisor:
     """A started supervisor_main.py: `run` commands, then `stop`.
 
     cwd, env: the supervisor's (and so every command's) working directory and
-    environment. uid: the uid commands run as (None: the caller's). rlimits: per-command
-    rlimits by name. isolate: the sandbox directory, to run in new namespaces (None: not),
-    with a root that holds only it and `view` (see supervisor_main.py). cgroup: the
-    `cgroup.procs` file of the memory cgroup the supervisor and its commands join.
+    environment; confinement: how its commands are confined.
     """
 
-    def __init__(self, cwd: str, env: dict[str, str], uid: int | None,
-                 rlimits: dict[str, int], isolate: str | None, view: RootView | None = None,
-                 cgroup: str | None = None):
-        view = (view or RootView()).config(uid, env.get("HOME", "/"))
-        config = {"uid": uid, "gid": uid, "rlimits": rlimits, "isolate": isolate, "view": view,
-                  "cgroup": cgroup}
+    def __init__(self, cwd: str, env: dict[str, str], confinement: Confinement):
+        config = confinement.config(env.get("HOME", "/"))
         ours, theirs = socket.socketpair()
         stderr_r, stderr_w = os.pipe()
         try:

@@ -33,7 +33,7 @@ def attention(
     block_q: int | None = None,
     block_k: int | None = None,
     interpret: bool = False,
-) -> jax.Array:
+) -> jax.Array:  # (the kernel's API: arrays, then options, as jax.nn.dot_product_attention)
     """Causal, packed, grouped-query attention: o = softmax(q k^T / sqrt(D), masked) v.
 
     Query t may read key s when segment_ids[t] == kv_segment_ids[s] != 0 and
@@ -58,17 +58,7 @@ def attention(
       [B, T, H, D] in q's dtype; softmax statistics in float32; a query that may read no
       key (padding) gets 0 and no gradient. Differentiable in q, k, v.
     """
-    b, t, h, d = q.shape
-    s = k.shape[1]
-    segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
-    if kv_segment_ids is None:
-        if s != t:
-            raise ValueError(f"kv_segment_ids is needed when keys ({s}) and queries ({t}) differ")
-        kv_segment_ids = segment_ids
-    q_positions = _positions(q_positions, b, t)
-    kv_positions = _positions(kv_positions, b, s)
-    ids = tuple(x.astype(jnp.int32) for x in (segment_ids, kv_segment_ids, q_positions,
-                                              kv_positions))
+    ids = _layout(q, k, segment_ids, kv_segment_ids, q_positions, kv_positions)
     _check(q, k, v, ids, implementation)
     if implementation == "reference":
         return attention_reference(q, k, v, Layout(*ids))
@@ -83,6 +73,21 @@ def attention(
                                             required=implementation == "pallas"):
             return kernel(q, k, v, *ids)
     return _Blocked("xla", *_block_sizes("xla", block_q, block_k))(q, k, v, *ids)
+
+
+def _layout(q, k, segment_ids, kv_segment_ids, q_positions, kv_positions):
+    """The four id arrays of blocks.Layout, int32, their defaults filled in."""
+    b, t = q.shape[:2]
+    s = k.shape[1]
+    segment_ids = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
+    if kv_segment_ids is None:
+        if s != t:
+            raise ValueError(f"kv_segment_ids is needed when keys ({s}) and queries ({t}) differ")
+        kv_segment_ids = segment_ids
+    q_positions = _positions(q_positions, b, t)
+    kv_positions = _positions(kv_positions, b, s)
+    return tuple(x.astype(jnp.int32) for x in (segment_ids, kv_segment_ids, q_positions,
+                                               kv_positions))
 
 
 def _positions(positions, b, n):

@@ -38,6 +38,7 @@ def _masked_scores(q, k, mask, scale):
 
 def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, qp_ref, kp_ref,
                 o_ref, lse_ref, *, scale, block_k):
+    # (the refs in pallas_call's order: its in_specs, then its out_specs)
     q, qs, qp = q_ref[...], qs_ref[...], qp_ref[...]
     block_q, d = q.shape
 
@@ -62,6 +63,7 @@ def _fwd_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, qp_ref, kp_
 
 def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, qp_ref, kp_ref, do_ref,
                lse_ref, delta_ref, dq_ref, *, scale, block_k):
+    # (the refs in pallas_call's order: its in_specs, then its out_specs)
     q, qs, qp, do = q_ref[...], qs_ref[...], qp_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
 
@@ -80,6 +82,7 @@ def _dq_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, qp_ref, kp_r
 
 def _dkv_kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, qs_ref, ks_ref, qp_ref, kp_ref, do_ref,
                 lse_ref, delta_ref, dk_ref, dv_ref, *, scale, block_q):
+    # (the refs in pallas_call's order: its in_specs, then its out_specs)
     k, v, ks, kp = k_ref[...], v_ref[...], ks_ref[...], kp_ref[...]
 
     def body(i, carry):
@@ -149,10 +152,9 @@ class _Specs:
 _TRITON = plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
-def _call(kernel, specs, grid, out_specs, out_shape, interpret, *operands):
+def _call(kernel, specs, grid, out_specs, out_shape, interpret):
     return pl.pallas_call(kernel, grid=grid, in_specs=specs, out_specs=out_specs,
-                          out_shape=out_shape, interpret=interpret,
-                          compiler_params=_TRITON)(*operands)
+                          out_shape=out_shape, interpret=interpret, compiler_params=_TRITON)
 
 
 def _forward(q, k, v, ids, ranges, tiles):
@@ -162,7 +164,7 @@ def _forward(q, k, v, ids, ranges, tiles):
     kernel = functools.partial(_fwd_kernel, scale=d ** -0.5, block_k=block_k)
     return _call(kernel, sp.inputs(), (t // block_q, b, h), [sp.q_like(), sp.stats()],
                  [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), F32)],
-                 interpret, ranges.lo, ranges.hi, q, k, v, *ids)
+                 interpret)(ranges.lo, ranges.hi, q, k, v, *ids)
 
 
 def _backward(residuals, do, tiles):
@@ -176,14 +178,14 @@ def _backward(residuals, do, tiles):
     dq = _call(functools.partial(_dq_kernel, scale=scale, block_k=block_k),
                sq.inputs() + [sq.q_like(), sq.stats(), sq.stats()], (t // block_q, b, h),
                sq.q_like(), jax.ShapeDtypeStruct(q.shape, q.dtype), interpret,
-               ranges.lo, ranges.hi, q, k, v, *ids, do, lse, delta)
+               )(ranges.lo, ranges.hi, q, k, v, *ids, do, lse, delta)
     sk = _Specs(t, s, d, h // kv_heads, block_k, over_keys=True)
     per_head = jax.ShapeDtypeStruct((b, s, h, d), F32)
     out_spec = pl.BlockSpec((None, block_k, None, d), lambda n, bb, hh: (bb, n, hh, 0))
     dk, dv = _call(functools.partial(_dkv_kernel, scale=scale, block_q=block_q),
                    sk.inputs() + [sk.q_like(), sk.stats(), sk.stats()], (s // block_k, b, h),
                    [out_spec, out_spec], [per_head, per_head], interpret,
-                   ranges.q_lo, ranges.q_hi, q, k, v, *ids, do, lse, delta)
+                   )(ranges.q_lo, ranges.q_hi, q, k, v, *ids, do, lse, delta)
     group_sum = lambda x, like: x.reshape(b, s, kv_heads, h // kv_heads, d).sum(3).astype(
         like.dtype)
     return dq, group_sum(dk, k), group_sum(dv, v)

@@ -22,7 +22,7 @@ def exact_kl(
     implementation: str | None = None,
     row_block: int = 1024,
     vocab_block: int = 4096,
-) -> jax.Array:
+) -> jax.Array:  # (the kernel's API: the two models' arrays and the mask, then options)
     """Per-token KL(pi || pi_ref) over the whole vocabulary, without [N, V] logits.
 
     pi = softmax(hidden @ lm_head / T), pi_ref = softmax(ref_hidden @ ref_lm_head / T).

@@ -27,7 +27,7 @@ def token_logprobs(
     vocab_block: int | None = None,
     d_block: int | None = None,
     interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array]:  # (the kernel's API: the arrays, then the options)
     """Log-prob of each target token and entropy, without materialising [N, V] logits.
 
     With z = hidden @ lm_head / temperature and p = softmax(z):
@@ -54,51 +54,70 @@ def token_logprobs(
 
     Returns:
       (logp, entropy) shaped like targets, float32, differentiable with respect to hidden
-      and lm_head
-      (float32 accumulation whatever the input dtype).
+      and lm_head (float32 accumulation whatever the input dtype).
     """
     if hidden.ndim == 3:
-        one_call = lambda h, t, m: token_logprobs(
+        return _batch_rows(lambda h, t, m: token_logprobs(
             h, lm_head, t, m, temperature=temperature, implementation=implementation,
             row_block=row_block, vocab_block=vocab_block, d_block=d_block,
-            interpret=interpret)
-        if not targets.shape == mask.shape == hidden.shape[:2]:
-            raise ValueError(f"targets and mask must be [R, N]={hidden.shape[:2]}, got "
-                             f"{targets.shape} and {mask.shape}")
-        if not jax.sharding.get_abstract_mesh().empty:
-            return jax.vmap(one_call)(hidden, targets, mask)
-        # No mesh: the rows as one [R N, d] call, compacted together. Per-row calls
-        # would cut the matmuls R-fold, give each row its own [d, V] gradient to sum, and
-        # turn the loops' dynamic trip counts into selects over every carry.
-        flat = lambda x: x.reshape(-1, *x.shape[2:])
-        logp, entropy = one_call(flat(hidden), flat(targets), flat(mask))
-        return logp.reshape(targets.shape), entropy.reshape(targets.shape)
+            interpret=interpret), hidden, targets, mask)
     _check_inputs(hidden, lm_head, targets, mask, temperature)
     temperature = float(temperature)
-    on_cpu = jax.default_backend() == "cpu"
+    _check_implementation(implementation, interpret)
+    if implementation == "reference":
+        return token_logprobs_reference(hidden, lm_head, targets, mask, temperature)
+    blocks = _block_sizes(row_block, vocab_block, d_block)
+    engine = _engine(implementation, blocks, d_block, interpret, temperature,
+                     (hidden, lm_head, targets, mask))
+    return token_logprobs_chunked(hidden, lm_head, targets, mask, temperature, engine)
+
+
+def _batch_rows(one_call, hidden, targets, mask):
+    """`one_call` over [R, N, ...] rows: vmapped under a mesh, else one [R N, ...] call."""
+    if not targets.shape == mask.shape == hidden.shape[:2]:
+        raise ValueError(f"targets and mask must be [R, N]={hidden.shape[:2]}, got "
+                         f"{targets.shape} and {mask.shape}")
+    if not jax.sharding.get_abstract_mesh().empty:
+        return jax.vmap(one_call)(hidden, targets, mask)
+    # No mesh: the rows as one [R N, d] call, compacted together. Per-row calls
+    # would cut the matmuls R-fold, give each row its own [d, V] gradient to sum, and
+    # turn the loops' dynamic trip counts into selects over every carry.
+    flat = lambda x: x.reshape(-1, *x.shape[2:])
+    logp, entropy = one_call(flat(hidden), flat(targets), flat(mask))
+    return logp.reshape(targets.shape), entropy.reshape(targets.shape)
+
+
+def _check_implementation(implementation, interpret):
     if implementation not in (*IMPLEMENTATIONS, None):
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, "
                          f"got {implementation!r}")
-    if implementation == "pallas" and on_cpu and not interpret:
+    if implementation == "pallas" and jax.default_backend() == "cpu" and not interpret:
         raise ValueError("implementation='pallas' on CPU needs interpret=True")
-    if implementation == "reference":
-        return token_logprobs_reference(hidden, lm_head, targets, mask, temperature)
+
+
+def _block_sizes(row_block, vocab_block, d_block) -> dict[str, int]:
+    """The tile sizes given (None: the engine's default), checked."""
     blocks = {name: size for name, size in (("row_block", row_block),
                                             ("vocab_block", vocab_block)) if size is not None}
     if any(not isinstance(size, int) or size < 1 for size in (*blocks.values(), d_block)
            if size is not None):
         raise ValueError(f"block sizes must be positive integers, got "
                          f"{dict(blocks, d_block=d_block)}")
+    return blocks
+
+
+def _engine(implementation, blocks, d_block, interpret, temperature, arrays):
+    """The chunked engine: XLA's, or the Pallas kernels' where chosen (None: off CPU)
+    and, compiled, checked to compile for these `arrays` (else the XLA one, logged)."""
     engine = XlaEngine(**blocks)
-    if implementation == "pallas" or (implementation is None and not on_cpu):
+    if implementation == "pallas" or (implementation is None and jax.default_backend() != "cpu"):
         pallas_engine = PallasEngine(**blocks, d_block=d_block, interpret=interpret)
         check = _ForwardBackward(pallas_engine, temperature)
-        args = fallback.signature(hidden, lm_head, targets, mask)
         # Interpreted kernels always run; compiled ones are checked first.
-        if interpret or fallback.use_pallas("logprob", check, args,
+        if interpret or fallback.use_pallas("logprob", check, fallback.signature(*arrays),
                                             required=implementation == "pallas"):
             engine = pallas_engine
-    return token_logprobs_chunked(hidden, lm_head, targets, mask, temperature, engine)
+    return engine
 
 
 def _check_inputs(hidden, lm_head, targets, mask, temperature):

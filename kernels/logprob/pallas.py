@@ -90,8 +90,10 @@ def choose_blocks(d: int, itemsize: int, row_block: int, vocab_block: int,
         vocab_block //= 2
 
 
-def _logit_tile(h_ref, w_ref, rows, cols, d_block, num_d_blocks, inv_t):
-    """z = h[rows, :] @ w[:, cols] * inv_t, float32, accumulated over d in d_block chunks."""
+def _logit_tile(h_ref, w_ref, rows, cols, d_block, inv_t):
+    """z = h[rows, :] @ w[:, cols] * inv_t, float32, accumulated over d in d_block chunks
+    (w's rows, the padded d, are a whole number of them)."""
+    num_d_blocks = w_ref.shape[0] // d_block
     num_rows = h_ref.shape[0] if isinstance(rows, slice) else rows.size
     num_cols = w_ref.shape[1] if isinstance(cols, slice) else cols.size
 
@@ -103,8 +105,10 @@ def _logit_tile(h_ref, w_ref, rows, cols, d_block, num_d_blocks, inv_t):
     return z * inv_t
 
 
-def _tile_cotangent(z, start, t, lse, entropy, g_logp, g_ent, inv_t, vocab_size, dtype):
-    """dL/d(h @ w) on one [R, C] tile of logits z, zero on padding columns (chunked.py)."""
+def _tile_cotangent(z, start, per_row, inv_t, vocab_size, dtype):
+    """dL/d(h @ w) on one [R, C] tile of logits z, zero on padding columns (chunked.py);
+    per_row: the rows' (target, lse, entropy, g_logp, g_ent)."""
+    t, lse, entropy, g_logp, g_ent = per_row
     cols = start + lax.broadcasted_iota(jnp.int32, z.shape, 1)
     p = jnp.where(cols < vocab_size, jnp.exp(z - lse[:, None]), 0.0)
     onehot = (cols == t[:, None]).astype(F32)
@@ -126,12 +130,13 @@ def _zero_by_chunks(ref, axis, d_block, num_d_blocks):
 
 def _stats_kernel(valid_ref, h_ref, w_ref, m_ref, s_ref, a_ref, *, inv_t, vocab_size,
                   vocab_block, d_block, num_d_blocks):
+    # (the refs in pallas_call's order, then the kernel's static sizes)
     active = jnp.max(valid_ref[...]) > 0
     start = pl.program_id(1) * vocab_block  # read outside pl.when: interpret mode needs it
 
     @pl.when(active)
     def _():
-        z = _logit_tile(h_ref, w_ref, slice(None), slice(None), d_block, num_d_blocks, inv_t)
+        z = _logit_tile(h_ref, w_ref, slice(None), slice(None), d_block, inv_t)
         cols = start + lax.broadcasted_iota(jnp.int32, z.shape, 1)
         in_vocab = cols < vocab_size
         z = jnp.where(in_vocab, z, -jnp.inf)
@@ -151,6 +156,7 @@ def _stats_kernel(valid_ref, h_ref, w_ref, m_ref, s_ref, a_ref, *, inv_t, vocab_
 
 def _dh_kernel(valid_ref, h_ref, w_ref, t_ref, lse_ref, ent_ref, gl_ref, ge_ref, dh_ref, *,
                inv_t, vocab_size, vocab_block, num_vocab_blocks, d_block, num_d_blocks):
+    # (the refs in pallas_call's order, then the kernel's static sizes)
     active = jnp.max(valid_ref[...]) > 0
     _zero_by_chunks(dh_ref, 1, d_block, num_d_blocks)
 
@@ -162,8 +168,8 @@ def _dh_kernel(valid_ref, h_ref, w_ref, t_ref, lse_ref, ent_ref, gl_ref, ge_ref,
         def _(j):
             start = pl.multiple_of(j * vocab_block, vocab_block)
             cols = pl.ds(start, vocab_block)
-            z = _logit_tile(h_ref, w_ref, slice(None), cols, d_block, num_d_blocks, inv_t)
-            dz = _tile_cotangent(z, start, *per_row, inv_t, vocab_size, h_ref.dtype)
+            z = _logit_tile(h_ref, w_ref, slice(None), cols, d_block, inv_t)
+            dz = _tile_cotangent(z, start, per_row, inv_t, vocab_size, h_ref.dtype)
 
             @pl.loop(0, num_d_blocks)
             def _(k):
@@ -175,6 +181,7 @@ def _dh_kernel(valid_ref, h_ref, w_ref, t_ref, lse_ref, ent_ref, gl_ref, ge_ref,
 def _dw_kernel(valid_ref, h_ref, w_ref, t_ref, lse_ref, ent_ref, gl_ref, ge_ref, dw_ref, *,
                inv_t, vocab_size, vocab_block, row_block, num_row_blocks, d_block,
                num_d_blocks):
+    # (the refs in pallas_call's order, then the kernel's static sizes)
     start = pl.program_id(0) * vocab_block
     _zero_by_chunks(dw_ref, 0, d_block, num_d_blocks)
 
@@ -185,8 +192,8 @@ def _dw_kernel(valid_ref, h_ref, w_ref, t_ref, lse_ref, ent_ref, gl_ref, ge_ref,
         @pl.when(jnp.max(valid_ref[rows]) > 0)
         def _():
             per_row = (t_ref[rows], lse_ref[rows], ent_ref[rows], gl_ref[rows], ge_ref[rows])
-            z = _logit_tile(h_ref, w_ref, rows, slice(None), d_block, num_d_blocks, inv_t)
-            dz = _tile_cotangent(z, start, *per_row, inv_t, vocab_size, h_ref.dtype)
+            z = _logit_tile(h_ref, w_ref, rows, slice(None), d_block, inv_t)
+            dz = _tile_cotangent(z, start, per_row, inv_t, vocab_size, h_ref.dtype)
 
             @pl.loop(0, num_d_blocks)
             def _(k):
