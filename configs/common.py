@@ -138,11 +138,11 @@ SYSTEM_PROMPT = (
 def sandbox_defaults() -> dict[str, Any]:
     """The sandbox keys of the `env` section.
 
-    docker_hosts: Docker engines the sandboxes spread over (DOCKER_HOST-style URLs:
-      unix://, tcp://, ssh://); empty: $DOCKER_HOST. Each sandbox goes to the engine
-      with the most free slots; one that stops answering is left out until it answers
-      again (env.sandbox.fleet).
-    docker_slots: live sandboxes per engine; 0: env.max_concurrent.
+    placement: "local": sandboxes on this machine (its $DOCKER_HOST engine, or local
+      namespaces); "ray": each on a node of a Ray cluster with a free `sandbox_slot`,
+      run against that node's own engine (env.sandbox.cluster).
+    ray_address: the Ray cluster for placement "ray" ("auto": the one `ray start`
+      joined this host to; "": a single-node Ray here with env.max_concurrent slots).
     local_allow_unisolated: let the local backend run commands unisolated (with the
       trainer's rights) where it cannot isolate them (no root, no namespaces); by
       default it refuses to start there.
@@ -150,7 +150,7 @@ def sandbox_defaults() -> dict[str, Any]:
       toolchain (/usr and the links into it): e.g. an environment its tasks' env_setup
       activates. Nothing else of the host is there to read.
     """
-    return dict(docker_hosts=(), docker_slots=0, local_allow_unisolated=False,
+    return dict(placement="local", ray_address="auto", local_allow_unisolated=False,
                 local_read_only=())
 
 
@@ -388,7 +388,7 @@ RANGES: dict[str, str] = {
     "engine.sglang.export_keep": "[1, inf)",
     "env.train_tasks": "[0, inf)", "env.eval_tasks": "[0, inf)", "env.difficulties": "[0, 4]",
     "env.task_seed": "[0, inf)", "env.eval_seed": "[0, inf)", "env.max_concurrent": "[1, inf)",
-    "env.docker_slots": "[0, inf)", "env.latency.median_s": "[0, inf)",
+    "env.latency.median_s": "[0, inf)",
     "env.latency.sigma": "[0, inf)", "env.latency.slow_share": "[0, 1]",
     "env.latency.slow_factor": "(0, inf)",
     # The RL sampler's temperature divides the learner's logits: 0 (greedy) is refused.
@@ -442,6 +442,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "engine.sglang.on_restart": ("reload", "drop"),
     "engine.sglang.export_dtype": ("bfloat16", "float16", "float32"),
     "env.backend": ("local", "docker"),
+    "env.placement": ("local", "ray"),
     "rollout.grading": ("fresh", "in_place"), "rollout.stale": ("drop", "finish"),
     "ps.replay": ("patch", "reexec"), "spo.drift_tokens": ("generated", "response"),
     "spo.rho_type": ("kl", "constant"), "spo.init_form": ("reference", "paper"),

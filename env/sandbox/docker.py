@@ -30,12 +30,13 @@ import logging
 import os
 import posixpath
 import select
+import socket
 import struct
 import tarfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import docker
 import docker.errors
@@ -43,12 +44,15 @@ import requests.exceptions
 
 from env.paths import repo_relative
 from env.sandbox import base, shell
-from env.sandbox.local import EXEC_ENV
+from env.sandbox.local import EXEC_ENV, _process_identity
 from env.sandbox.output import CappedOutput
 
 log = logging.getLogger(__name__)
 
 LABEL = "swe-rl.sandbox"
+# "<hostname>:<pid>:<process start time>" of the trainer that made the container: the
+# next run on that host removes the containers of exited owners (a SIGKILLed trainer).
+OWNER_LABEL = "swe-rl.owner"
 HOST_GRACE_S = 30.0
 PID1 = ["bash", "-c", "trap '' CHLD; exec sleep infinity"]
 # $1 = timeout seconds, $2 = command. The command's stderr joins its stdout in one pipe,
@@ -135,6 +139,42 @@ def remove_containers(labels: Mapping[str, str], client: docker.DockerClient | N
     return removed
 
 
+def owner_identity(pid: int | None = None) -> str:
+    """"<hostname>:<pid>:<start time>" of a running process (default: this one)."""
+    return f"{socket.gethostname()}:{_process_identity(pid or os.getpid())}"
+
+
+def exited_owners(owners: Iterable[str]) -> set[str]:
+    """The owners (OWNER_LABEL values) that ran on this host and have exited; owners on
+    other hosts are never judged here."""
+    host, exited = socket.gethostname(), set()
+    for owner in owners:
+        owner_host, _, identity = owner.partition(":")
+        pid = identity.split(":")[0]
+        if owner_host == host and identity and (
+                not pid.isdigit() or _process_identity(int(pid)) != identity):
+            exited.add(owner)
+    return exited
+
+
+def container_owners(client: docker.DockerClient) -> set[str]:
+    """The OWNER_LABEL values of the engine's containers."""
+    with docker_errors("listing sandbox containers"):
+        containers = client.api.containers(all=True, filters={"label": OWNER_LABEL})
+    return {c["Labels"][OWNER_LABEL] for c in containers}
+
+
+def remove_owned(client: docker.DockerClient, owners: Iterable[str]) -> int:
+    """Removes every container of `owners`; returns how many."""
+    return sum(remove_containers({OWNER_LABEL: owner}, client) for owner in owners)
+
+
+def reap_exited_owners(client: docker.DockerClient) -> int:
+    """Removes the containers whose owner ran on this host and has exited; returns how
+    many. Containers of other hosts' processes are left alone."""
+    return remove_owned(client, exited_owners(container_owners(client)))
+
+
 def _remove_container(client: docker.DockerClient, container_id: str,
                       wait_s: float = 30.0, engine: str | None = None) -> None:
     """Force-removes a container; also waits out a removal another thread started."""
@@ -175,8 +215,6 @@ class DockerSandbox(base.Sandbox):
       disk_bytes: cap on the container's writable layer, where the storage driver allows.
       labels: extra container labels (LABEL=1 is always set).
       client: docker client (default: `connect()`).
-      on_close: called once when the sandbox is closed, with the SandboxError of a failed
-        removal or None (a fleet frees the engine's slot, or marks a silent engine down).
       engine: the engine's name in logs (default: the client's base URL).
       env_setup: shell run before every `run` command: the image's environment
         activation (official images activate theirs only in an interactive `.bashrc`).
@@ -197,7 +235,6 @@ class DockerSandbox(base.Sandbox):
         disk_bytes: int | None = 4 << 30,
         labels: Mapping[str, str] | None = None,
         client: docker.DockerClient | None = None,
-        on_close: Callable[[Exception | None], object] | None = None,
         engine: str = "",
         env_setup: str = "",
     ):
@@ -211,10 +248,6 @@ class DockerSandbox(base.Sandbox):
         self.file_size_bytes = file_size_bytes
         self.env_setup = env_setup
         self.container_id: str | None = None
-        # Set (to the reason) when the engine is known to be down: every later call fails
-        # at once instead of waiting on an engine that does not answer.
-        self.lost = ""
-        self._on_close = on_close
         self._client = client or connect()
         self.engine = engine or self._client.api.base_url  # (for logs and metrics)
         options = dict(detach=True, network_mode="none", mem_limit=mem_limit,
@@ -293,8 +326,6 @@ class DockerSandbox(base.Sandbox):
         """
         if self.container_id is None:
             raise base.SandboxError("sandbox is closed")
-        if self.lost:
-            raise base.SandboxError(self.lost)
         api = self._client.api
         out = CappedOutput(cap) if cap is not None else bytearray()
         err = bytearray()
@@ -422,24 +453,10 @@ class DockerSandbox(base.Sandbox):
     # -- teardown ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Force-removes the container; retried by a later close() if the engine failed,
-        unless the sandbox is `lost` (its engine down). `on_close` runs once, on the
-        first close, whether the removal worked or not."""
-        on_close, self._on_close = self._on_close, None
-        failure = None
-        try:
-            if self.container_id is not None:
-                _remove_container(self._client, self.container_id, engine=self.engine)
-                self.container_id = None
-        except base.SandboxError as e:
-            failure = e
-        finally:
-            if on_close is not None:
-                on_close(failure)
-        if failure is not None and not self.lost:
-            raise failure
-        # (An engine marked down: its fleet removes the container when it is back.)
-        self.container_id = None
+        """Force-removes the container; retried by a later close() if the engine failed."""
+        if self.container_id is not None:
+            _remove_container(self._client, self.container_id, engine=self.engine)
+            self.container_id = None
 
 
 def _text(data: bytes | bytearray) -> str:
