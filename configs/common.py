@@ -232,13 +232,18 @@ def sglang_defaults() -> dict[str, Any]:
     export_dir / export_dtype / export_keep: where weights are written as HF
       safetensors for /update_weights_from_disk, in which dtype (the servers'), and how
       many of the newest exports stay on disk.
+    router: "": the client sends each episode's turns to one server itself (least
+      loaded for a new episode); "start": the run starts SGLang's gateway `smg` over
+      the servers (inference.gateway); an http:// URL: a gateway already running over
+      them. Generation goes through the gateway, routed by episode id (every turn on
+      one server); pauses and reloads go to each server directly.
     """
     return dict(urls=(), launch=False, ports=(30000,), host="127.0.0.1", tp_size=1,
                 mem_fraction_static=0.85, extra_args=(), timeout_s=600.0, max_retries=5,
                 backoff_s=0.5, down_s=30.0,
                 export_dir="", health_timeout_s=900.0, host_gpus=8, command="", python="",
                 env=(), context_length=0, deterministic=True, sync_mode="pause",
-                on_restart="reload", export_dtype="bfloat16", export_keep=1)
+                on_restart="reload", export_dtype="bfloat16", export_keep=1, router="")
 
 
 def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:

@@ -55,7 +55,10 @@ class Gateway:
         self.proc: subprocess.Popen | None = None
 
     def command(self) -> list[str]:
+        # Its Prometheus exporter on a free port of `host` (by default 0.0.0.0:29000: one
+        # gateway per machine).
         return [smg_binary(), "launch", "--host", self.host, "--port", str(self.port),
+                "--prometheus-host", self.host, "--prometheus-port", str(free_port(self.host)),
                 "--policy", "consistent_hashing", "--worker-urls", *self.workers]
 
     def start(self) -> Gateway:

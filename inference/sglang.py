@@ -269,6 +269,10 @@ class SGLangConfig:
     router: str = ""
 
     def __post_init__(self):
+        if self.router and self.router != "start" and not self.router.startswith(
+                ("http://", "https://")):
+            raise ValueError(f"engine.sglang.router must be '', 'start' or an http(s):// URL, "
+                             f"got {self.router!r}")
         if self.sync_mode not in SYNC_MODES:
             raise ValueError(f"sync_mode must be one of {SYNC_MODES}, got {self.sync_mode!r}")
         if self.export_keep < 1:
@@ -303,6 +307,9 @@ class SGLangClient(Engine):
                  launchers: Sequence[Any] = (), vocab_size: int | None = None):
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
+        if cfg.router == "start":
+            raise ValueError("router='start' is for connect(), which starts the gateway; "
+                             "give the client the gateway's URL")
         self.servers = [_Server(u.rstrip("/")) for u in urls]
         # The gateway every /generate goes through (control calls go to each server).
         self.router = _Server(cfg.router.rstrip("/")) if cfg.router else None
