@@ -266,7 +266,7 @@ class SGLangConfig:
     on_restart: str
     export_dtype: str
     export_keep: int
-    router: str = ""
+    router: str
 
     def __post_init__(self):
         if self.router and self.router != "start" and not self.router.startswith(
