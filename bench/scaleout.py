@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 
 import psutil
 import ray
@@ -152,6 +153,12 @@ async def episodes(urls, sessions: int, turns: int, sticky: bool) -> dict:
             "s_per_turn": round(statistics.mean(seconds), 4)}
 
 
+def flush_caches(urls) -> None:
+    for url in urls:
+        urllib.request.urlopen(urllib.request.Request(url + "/flush_cache", method="POST"),
+                               timeout=60).close()
+
+
 def serving(sessions: int, turns: int) -> dict:
     logs = tempfile.mkdtemp(prefix="scaleout_")
     section = LauncherConfig.from_section(
@@ -166,7 +173,9 @@ def serving(sessions: int, turns: int) -> dict:
             server.wait_healthy()
         urls = [s.url for s in servers]
         asyncio.run(episodes(urls, sessions, turns, sticky=True))  # compiles every shape
+        flush_caches(urls)  # each pass finds no prefix of the last one's (same prompts)
         sticky = asyncio.run(episodes(urls, sessions, turns, sticky=True))
+        flush_caches(urls)
         loose = asyncio.run(episodes(urls, sessions, turns, sticky=False))
     finally:
         for server in servers:
