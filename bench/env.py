@@ -1,7 +1,6 @@
 """Environment throughput: expert episodes on mini-SWE, local vs Docker sandboxes.
 
     python -m bench.env [--levels 1,4,8,16,32] [--per_slot 2] [--image swe-sandbox:test]
-    python -m bench.env --levels 8 --hosts unix:///var/run/docker.sock,unix:///var/run/docker-2.sock
     python -m bench.env --backends local --old 3277056
     python -m bench.env --levels 4 --per_slot 4 --old ''    # fresh vs in-place grading only
 
@@ -24,10 +23,7 @@ episode's own sandbox, and `fresh_over_in_place` is the ratio of their episodes/
 backend and level (the cost of fresh grading). `--old ''` leaves out the old local
 backend.
 
-With --hosts (Docker engine URLs), the largest level also runs on a fleet of the
-first 1, 2, ... of those engines (env.sandbox.fleet, each engine holding at most
-that many sandboxes): episodes/s per number of engines, and the episodes each
-engine took (`fleet`).
+Sandboxes over several machines (Ray): bench/scaleout.py.
 """
 
 from __future__ import annotations
@@ -45,7 +41,7 @@ import time
 
 from env.episode import Episode, EpisodeOptions
 from env.miniswe import expert_demo, generate_tasks
-from env.sandbox import FleetFactory, SandboxFactory
+from env.sandbox import SandboxFactory
 
 
 def run_episode(factory, task, grading: str = "fresh") -> str:
@@ -169,30 +165,12 @@ def docker_factory(image: str, max_concurrency: int):
     return SandboxFactory("docker", image=image, client=client, mem_limit="512m"), live
 
 
-def measure_fleet(hosts: list[str], image: str, tasks, concurrency: int) -> list[dict]:
-    """episodes/s of `tasks` at `concurrency` on fleets of 1, 2, ... of `hosts`."""
-
-    rows = []
-    for n in range(1, len(hosts) + 1):
-        print(f"fleet of {n} engine(s) c={concurrency}", file=sys.stderr)
-        factory = FleetFactory(hosts[:n], concurrency, image=image, mem_limit="512m")
-        try:
-            row = measure(factory, tasks, concurrency)
-            created = factory.fleet.metrics()
-        finally:
-            factory.close()
-        rows.append({"engines": n, **row, "episodes_per_engine": [
-            int(created[f"env/engine{i}/created"]) for i in range(n)]})
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--levels", default="1,4,8,16,32")
     parser.add_argument("--per_slot", type=int, default=2)
     parser.add_argument("--image", default="swe-sandbox:test")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hosts", default="", help="Docker engine URLs, comma-separated")
     parser.add_argument("--backends", default="local,docker")
     parser.add_argument("--old", default="3277056",
                         help="commit of the local backend to compare with (per-command "
@@ -233,8 +211,6 @@ def main() -> None:
             result["docker_over_local_throughput"] = {
                 str(d["concurrency"]): round(d["episodes_per_s"] / lo["episodes_per_s"], 3)
                 for d, lo in zip(result["docker"], result["local"], strict=True)}
-    if args.hosts:
-        result["fleet"] = measure_fleet(args.hosts.split(","), args.image, tasks, max(levels))
     result["load"]["after"] = os.getloadavg()
     print(json.dumps(result))
 

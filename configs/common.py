@@ -138,11 +138,11 @@ SYSTEM_PROMPT = (
 def sandbox_defaults() -> dict[str, Any]:
     """The sandbox keys of the `env` section.
 
-    docker_hosts: Docker engines the sandboxes spread over (DOCKER_HOST-style URLs:
-      unix://, tcp://, ssh://); empty: $DOCKER_HOST. Each sandbox goes to the engine
-      with the most free slots; one that stops answering is left out until it answers
-      again (env.sandbox.fleet).
-    docker_slots: live sandboxes per engine; 0: env.max_concurrent.
+    placement: "local": sandboxes on this machine (its $DOCKER_HOST engine, or local
+      namespaces); "ray": each on a node of a Ray cluster with a free `sandbox_slot`,
+      run against that node's own engine (env.sandbox.cluster).
+    ray_address: the Ray cluster for placement "ray" ("auto": the one `ray start`
+      joined this host to; "": a single-node Ray here with env.max_concurrent slots).
     local_allow_unisolated: let the local backend run commands unisolated (with the
       trainer's rights) where it cannot isolate them (no root, no namespaces); by
       default it refuses to start there.
@@ -150,7 +150,7 @@ def sandbox_defaults() -> dict[str, Any]:
       toolchain (/usr and the links into it): e.g. an environment its tasks' env_setup
       activates. Nothing else of the host is there to read.
     """
-    return dict(docker_hosts=(), docker_slots=0, local_allow_unisolated=False,
+    return dict(placement="local", ray_address="auto", local_allow_unisolated=False,
                 local_read_only=())
 
 
@@ -232,13 +232,18 @@ def sglang_defaults() -> dict[str, Any]:
     export_dir / export_dtype / export_keep: where weights are written as HF
       safetensors for /update_weights_from_disk, in which dtype (the servers'), and how
       many of the newest exports stay on disk.
+    router: "": the client sends each episode's turns to one server itself (least
+      loaded for a new episode); "start": the run starts SGLang's gateway `smg` over
+      the servers (inference.gateway); an http:// URL: a gateway already running over
+      them. Generation goes through the gateway, routed by episode id (every turn on
+      one server); pauses and reloads go to each server directly.
     """
     return dict(urls=(), launch=False, ports=(30000,), host="127.0.0.1", tp_size=1,
                 mem_fraction_static=0.85, extra_args=(), timeout_s=600.0, max_retries=5,
                 backoff_s=0.5, down_s=30.0,
                 export_dir="", health_timeout_s=900.0, host_gpus=8, command="", python="",
                 env=(), context_length=0, deterministic=True, sync_mode="pause",
-                on_restart="reload", export_dtype="bfloat16", export_keep=1)
+                on_restart="reload", export_dtype="bfloat16", export_keep=1, router="")
 
 
 def prefix_defaults(enabled: bool = True, adaptive: bool = False) -> ConfigDict:
@@ -388,7 +393,7 @@ RANGES: dict[str, str] = {
     "engine.sglang.export_keep": "[1, inf)",
     "env.train_tasks": "[0, inf)", "env.eval_tasks": "[0, inf)", "env.difficulties": "[0, 4]",
     "env.task_seed": "[0, inf)", "env.eval_seed": "[0, inf)", "env.max_concurrent": "[1, inf)",
-    "env.docker_slots": "[0, inf)", "env.latency.median_s": "[0, inf)",
+    "env.latency.median_s": "[0, inf)",
     "env.latency.sigma": "[0, inf)", "env.latency.slow_share": "[0, 1]",
     "env.latency.slow_factor": "(0, inf)",
     # The RL sampler's temperature divides the learner's logits: 0 (greedy) is refused.
@@ -443,6 +448,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "engine.sglang.on_restart": ("reload", "drop"),
     "engine.sglang.export_dtype": ("bfloat16", "float16", "float32"),
     "env.backend": ("local", "docker"),
+    "env.placement": ("local", "ray"),
     "rollout.grading": ("fresh", "in_place"), "rollout.stale": ("drop", "finish"),
     "ps.replay": ("patch", "reexec"), "spo.drift_tokens": ("generated", "response"),
     "spo.rho_type": ("kl", "constant"), "spo.init_form": ("reference", "paper"),

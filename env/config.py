@@ -27,8 +27,8 @@ class EnvConfig:
     max_concurrent: int
     tools_in_prompt: bool
     latency: LatencyConfig
-    docker_hosts: tuple[str, ...]
-    docker_slots: int
+    placement: str
+    ray_address: str
     local_allow_unisolated: bool
     local_read_only: tuple[str, ...]
 
@@ -36,5 +36,4 @@ class EnvConfig:
     def from_section(cls, section: Mapping[str, Any]) -> EnvConfig:
         """The owner of an `env` section and its `latency` subsection."""
         return cls(**{**section, "latency": LatencyConfig(**section["latency"]),
-                      **{k: tuple(section[k]) for k in ("difficulties", "docker_hosts",
-                                                        "local_read_only")}})
+                      **{k: tuple(section[k]) for k in ("difficulties", "local_read_only")}})

@@ -45,6 +45,8 @@ class GenerateRequest:
     return_logprob: False when the caller has no use for the log-probs (greedy
       evaluation): an engine may then leave them out of its work (the embedded one skips
       a greedy step's log-sum-exp over the vocabulary) and report NaN in their place.
+    session: the episode this request is a turn of ("": none). An engine over several
+      servers sends every request of a session to one server, which holds its prefix.
     """
 
     prompt_ids: Sequence[int]
@@ -55,6 +57,7 @@ class GenerateRequest:
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None
     return_logprob: bool = True
+    session: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))

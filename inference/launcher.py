@@ -418,6 +418,11 @@ def connect(sg: SGLangConfig, served: Served, workdir: str) -> SGLangClient:
         urls = list(sg.urls) or [launcher.url for launcher in started]
         for url in urls:
             check_server(url, server_info(url), served.max_context, bool(sg.deterministic))
+        if sg.router == "start":
+            from inference.gateway import Gateway  # (smg is needed only when asked for)
+
+            started.append(Gateway(urls).start())
+            sg = dataclasses.replace(sg, router=started[-1].url)
     except BaseException:
         for launcher in started:
             launcher.close()

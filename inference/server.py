@@ -13,8 +13,14 @@ that sends `input_ids`) talks to this server and to a real SGLang server alike:
   POST /update_weights_from_disk {model_path} -> {success, message, num_paused_requests}
   POST /flush_cache, /abort_request {rid | abort_all}
   POST /pause_generation {mode: abort | retract | in_place}, /continue_generation
-  GET  /get_server_info          -> {version, context_length,
+  GET  /get_server_info, /server_info -> {version, context_length,
                                     enable_deterministic_inference, ...}
+  GET  /v1/models                -> {object: list, data: [{id, object: model, root,
+                                    max_model_len, ...}]}
+
+A gateway (SGLang's `smg`) registers a server only once it answers /server_info; the
+access log names each request's routing key (the `x-smg-routing-key` header), so a
+server's own log shows which episodes it served.
 
 As in SGLang: a request longer than the context length answers 400 with SGLang's
 message; while generation is paused new requests wait (this engine cannot hold a
@@ -64,6 +70,8 @@ _SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids
               "sampling_seed"}
 _DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default
 PROTOCOL_VERSION = "0.5.3"  # the SGLang release whose protocol this server speaks
+ROUTING_KEY_HEADER = "x-smg-routing-key"  # smg's sticky-routing header (the episode id)
+ACCESS_LOG = f'%a "%r" %s %Tfs routing_key=%{{{ROUTING_KEY_HEADER}}}i'
 
 
 def parse_sampling(params: dict[str, Any] | None, prompt_ids: Sequence[int],
@@ -251,6 +259,7 @@ class Server:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._reloading: asyncio.Event | None = None
+        self.started = time.time()
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 2**20)
@@ -267,6 +276,8 @@ class Server:
             web.post("/pause_generation", self.pause_generation),
             web.post("/continue_generation", self.continue_generation),
             web.get("/get_server_info", self.server_info),
+            web.get("/server_info", self.server_info),
+            web.get("/v1/models", self.models),
         ])
         app.on_shutdown.append(self._on_shutdown)
         return app
@@ -428,6 +439,13 @@ class Server:
             "enable_deterministic_inference": True,
             "weight_version": self.weight_version, "is_paused": self.paused})
 
+    async def models(self, http: web.Request) -> web.Response:
+        """OpenAI's model list, as SGLang's /v1/models writes it (one served model)."""
+        name = self.model_path or "default"
+        return web.json_response({"object": "list", "data": [{
+            "id": name, "object": "model", "created": int(self.started), "owned_by": "sglang",
+            "root": name, "max_model_len": self.context_length}]})
+
     def _abort(self, running: Sequence[tuple[asyncio.Task, GenerateRequest]]) -> None:
         """Ends running requests; they answer finish_reason abort with their tokens so far
         (or none, from an engine that cannot abort a request: its call is cancelled)."""
@@ -530,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     server = Server(engine, model_path=model_path)
     log.info("serving on http://%s:%d", args.host, args.port)
     web.run_app(server.app(), host=args.host, port=args.port, print=None,
-                handle_signals=True)
+                handle_signals=True, access_log_format=ACCESS_LOG)
     engine.close()
 
 

@@ -1,10 +1,14 @@
 """SGLang over HTTP: a client implementing `Engine`.
 
 `SGLangClient` sends one native `/generate` call per request (SGLang batches
-concurrent calls itself) to the server with the fewest outstanding requests.
-Connection errors, timeouts, 5xx answers and malformed answers are retried with
-exponential backoff on another server; a failing server is marked down for `down_s`
-seconds. Every answer is checked against its request (`parse_response`: at most
+concurrent calls itself). Every turn of an episode (requests with the same
+`GenerateRequest.session`) goes to one server, where its prefix is cached: through a
+gateway (`router`: SGLang's `smg`, consistent hashing of the `x-smg-routing-key`
+header, which carries the session), or without one, to the server the client chose for
+the session's first turn (the one with the fewest outstanding requests), moved only
+when that server is down. Connection errors, timeouts, 5xx answers and malformed
+answers are retried with exponential backoff; a failing server is marked down for
+`down_s` seconds. Every answer is checked against its request (`parse_response`: at most
 max_new_tokens ids in the vocabulary, a finite log-prob <= 0 for each, a finish reason
 SGLang writes) and its `weight_version` against the versions loaded into that server:
 one that restarted (an older version) is reloaded before it serves again.
@@ -17,9 +21,13 @@ ones unless generation is paused, so the client first quiesces each server
 `/continue_generation`; in-flight requests resume on the new weights), "abort"
 (the reload aborts in-flight requests; each is continued from its tokens so far)
 or "drain" (wait for the client's in-flight requests to finish). New requests for
-a server wait while it reloads; a server that missed a version is reloaded once
-before it gets traffic again, and one whose `/continue_generation` failed (retried) gets
-none until it answers one. Only the newest `export_keep` exports stay on disk.
+a server wait while it reloads. Behind a gateway, which hides the server that answers,
+new requests wait while any server reloads (a reload is atomic across servers for every
+request sent after it began), and a turn's recorded version is the `weight_version` the
+answering server reports, checked against the versions loaded. A server that missed a
+version is reloaded once before it gets traffic again, and one whose
+`/continue_generation` failed (retried) gets none until it answers one. Only the
+newest `export_keep` exports stay on disk.
 
 Servers are started, checked and connected to by `inference.launcher`.
 """
@@ -27,6 +35,7 @@ Servers are started, checked and connected to by `inference.launcher`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -37,7 +46,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -54,6 +63,8 @@ from inference.engine import (
 log = logging.getLogger(__name__)
 
 SYNC_MODES = ("pause", "abort", "drain")
+ROUTING_KEY_HEADER = "x-smg-routing-key"  # smg keeps requests with one key on one server
+STICKY_SESSIONS = 1 << 16  # sessions remembered (oldest forgotten first) without a gateway
 ON_RESTART = ("reload", "drop")
 NAN_MATCHED = "NaN happened"  # SGLang's finish_reason.matched for a non-finite sample
 _EXPORT_NAME = re.compile(r"^weights_(\d{6})$")
@@ -255,8 +266,13 @@ class SGLangConfig:
     on_restart: str
     export_dtype: str
     export_keep: int
+    router: str
 
     def __post_init__(self):
+        if self.router and self.router != "start" and not self.router.startswith(
+                ("http://", "https://")):
+            raise ValueError(f"engine.sglang.router must be '', 'start' or an http(s):// URL, "
+                             f"got {self.router!r}")
         if self.sync_mode not in SYNC_MODES:
             raise ValueError(f"sync_mode must be one of {SYNC_MODES}, got {self.sync_mode!r}")
         if self.export_keep < 1:
@@ -291,7 +307,14 @@ class SGLangClient(Engine):
                  launchers: Sequence[Any] = (), vocab_size: int | None = None):
         if not urls:
             raise ValueError("SGLangClient needs at least one server URL")
+        if cfg.router == "start":
+            raise ValueError("router='start' is for connect(), which starts the gateway; "
+                             "give the client the gateway's URL")
         self.servers = [_Server(u.rstrip("/")) for u in urls]
+        # The gateway every /generate goes through (control calls go to each server).
+        self.router = _Server(cfg.router.rstrip("/")) if cfg.router else None
+        self._sticky: collections.OrderedDict[str, _Server] = collections.OrderedDict()
+        self._restarted = False  # an answer behind the gateway came from a restarted server
         self.timeout = float(cfg.timeout_s)
         self.max_retries = int(cfg.max_retries)
         self.backoff = float(cfg.backoff_s)
@@ -437,7 +460,7 @@ class SGLangClient(Engine):
             server.loading = version
             try:
                 if self.sync_mode == "drain":
-                    while server.outstanding:
+                    while server.outstanding or (self.router and self.router.outstanding):
                         await asyncio.sleep(0.005)
                 elif self.sync_mode == "pause":
                     server.paused = True
@@ -503,13 +526,15 @@ class SGLangClient(Engine):
             self._session_loop = loop
         return self._session
 
-    async def _post(self, server: _Server, route: str, payload: dict[str, Any] | None) -> Any:
+    async def _post(self, server: _Server, route: str, payload: dict[str, Any] | None,
+                    headers: Mapping[str, str] | None = None) -> Any:
         """POST JSON (GET when payload is None); 5xx and connection failures raise
         ServerError, other non-200s EngineError (ContextLengthError for a context
         overflow), with the server's text."""
         method = "GET" if payload is None else "POST"
         try:
-            async with self._http().request(method, server.url + route, json=payload) as r:
+            async with self._http().request(method, server.url + route, json=payload,
+                                            headers=headers) as r:
                 raw = await r.read()
                 if r.status >= 500:
                     raise ServerError(f"{route} answered HTTP {r.status}: "
@@ -531,30 +556,54 @@ class SGLangClient(Engine):
         server.down_until = time.monotonic() + self.down_s
         server.last_error = f"{type(error).__name__}: {error}"
 
-    def _pick(self) -> _Server:
-        """Least outstanding requests among the servers up and not reloading; if all are
-        down, the one whose penalty ends first (it may be back)."""
+    def _pick(self, session: str = "") -> _Server:
+        """The gateway if there is one. Else the session's server while it is up; for a
+        new session (or one whose server is down), the server with the fewest outstanding
+        requests among those up and not reloading; if all are down, the one whose
+        penalty ends first (it may be back)."""
+        if self.router is not None:
+            return self.router
         now = time.monotonic()
+        server = self._sticky.get(session)
+        if server is not None and server.down_until <= now:
+            self._sticky.move_to_end(session)
+            return server
         up = [s for s in self.servers if s.down_until <= now]
         if up:
-            return min(up, key=lambda s: (s.open is not None and not s.open.is_set(),
-                                          s.outstanding))
-        return min(self.servers, key=lambda s: s.down_until)
+            server = min(up, key=lambda s: (s.open is not None and not s.open.is_set(),
+                                            s.outstanding))
+        else:
+            server = min(self.servers, key=lambda s: s.down_until)
+        if session:
+            self._sticky[session] = server
+            self._sticky.move_to_end(session)
+            if len(self._sticky) > STICKY_SESSIONS:
+                self._sticky.popitem(last=False)
+        return server
+
+    def _behind(self, server: _Server) -> list[_Server]:
+        """The servers a request sent to `server` may reach (all, for the gateway)."""
+        return self.servers if server is self.router else [server]
 
     async def _generate_one(self, req: GenerateRequest) -> GenerateResult:
         """One request with retries; a request aborted by a reload is continued from its
         tokens so far on the new weights."""
         payload = request_payload(req, self.seeded)
+        headers = {ROUTING_KEY_HEADER: req.session} if req.session else None
         ids, logprobs, version, attempt, start = [], [], None, 0, time.perf_counter()
         while attempt <= self.max_retries:
-            server = self._pick()
+            server = self._pick(req.session)
             try:
-                await self._ready(server)
+                if self._restarted:
+                    await self._find_restarted()
+                for behind in self._behind(server):
+                    if behind is server or behind.down_until <= time.monotonic():
+                        await self._ready(behind)
             except (ServerError, EngineError) as e:
                 attempt = await self._failed(server, e, attempt)
                 continue
             try:
-                part, begun, started_on = await self._ask(server, payload)
+                part, begun, started_on = await self._ask(server, payload, headers)
             except ServerError as e:
                 attempt = await self._failed(server, e, attempt)
                 continue
@@ -564,7 +613,7 @@ class SGLangClient(Engine):
             # Aborted by a reload (mode "abort", or a server whose pause aborts): continue.
             # A client that loads no weights never aborts its requests itself: an abort is
             # another process's client reloading the shared servers.
-            by_reload = server.reloads_begun != begun or not self.version
+            by_reload = self._begun(server) != begun or not self.version
             if part.finish_reason == "abort" and by_reload and left > 0:
                 if not part.output_ids:  # no progress: bounded like a retry
                     attempt += 1
@@ -583,14 +632,15 @@ class SGLangClient(Engine):
         raise EngineError(f"no inference server answered after {self.max_retries + 1} "
                           f"attempts: {status}")
 
-    async def _ask(self, server: _Server, payload: dict[str, Any]
-                   ) -> tuple[GenerateResult, int, int]:
+    async def _ask(self, server: _Server, payload: dict[str, Any],
+                   headers: Mapping[str, str] | None = None) -> tuple[GenerateResult, int, int]:
         """One /generate on `server` -> (checked result, reloads begun before it, the
         weight version it started on); a malformed answer raises BadAnswerError."""
         server.outstanding += 1
         try:
-            begun, started_on = server.reloads_begun, await self._serving(server)
-            body = await self._unless_stuck(server, self._post(server, "/generate", payload))
+            begun, started_on = self._begun(server), await self._serving(server)
+            body = await self._unless_stuck(server, self._post(server, "/generate", payload,
+                                                               headers))
         finally:
             server.outstanding -= 1
         part = parse_response(body, 0.0,
@@ -622,13 +672,19 @@ class SGLangClient(Engine):
         raise ServerError(f"{server.url} stays paused ({server.last_error}); the request "
                           f"it held is sent again")
 
+    def _begun(self, server: _Server) -> int:
+        return sum(s.reloads_begun for s in self._behind(server))
+
     def _check_version(self, server: _Server, reported: int, started_on: int) -> None:
         """Refuses an answer whose weight version cannot be the one it was sampled under:
         below the version it started on (the server restarted, or went backwards) or
         above any version loaded into it. A restarted server is reloaded before its next
         request; its answer is re-requested (`on_restart` "reload") or fails its
-        episode ("drop")."""
-        top = max(server.version, server.loading) if self.version else reported
+        episode ("drop"). Behind the gateway the answering server is unknown: the answer
+        must lie within what any server was given, and a restart is found by asking each
+        server for its version before the next request (`_find_restarted`)."""
+        behind = self._behind(server)
+        top = max(max(s.version, s.loading) for s in behind) if self.version else reported
         if started_on <= reported <= top:
             server.reported = max(server.reported, reported)
             return
@@ -639,6 +695,8 @@ class SGLangClient(Engine):
                    f"while it served version {started_on}: it restarted or went backwards")
         if not self.version:  # another process loads the weights: nothing to reload
             raise BadAnswerError(message)
+        if server is self.router:
+            self._restarted = True
         server.version = min(server.version, reported)
         if self.on_restart == "drop":
             raise EngineError(message + "; its answer is dropped (on_restart='drop')")
@@ -649,7 +707,10 @@ class SGLangClient(Engine):
         a client that has loaded none (the servers are shared with another process's
         client, which updates them), the `weight_version` the server reports
         (/get_model_info, as the updating client sent it; 0 for the weights it started
-        with), which never goes backwards."""
+        with), which never goes backwards. Behind the gateway: the oldest version any
+        server holds (0 for a client that loads none)."""
+        if server is self.router:
+            return min(s.version for s in self.servers) if self.version else 0
         if self.version:
             return server.version
         info = await self._post(server, "/get_model_info", None)
@@ -660,6 +721,18 @@ class SGLangClient(Engine):
                                  f"{server.reported}: it restarted or went backwards")
         server.reported = reported
         return reported
+
+    async def _find_restarted(self) -> None:
+        """After an answer behind the gateway came from an older version: each server's
+        own /get_model_info; one below what this client loaded into it restarted, and is
+        reloaded by `_ready`."""
+        self._restarted = False
+        for server in self.servers:
+            with contextlib.suppress(ServerError, EngineError):
+                info = await self._post(server, "/get_model_info", None)
+                reported = parse_weight_version(info.get("weight_version", "default")
+                                                if isinstance(info, dict) else info)
+                server.version = min(server.version, reported)
 
     async def _failed(self, server: _Server, error: BaseException, attempt: int) -> int:
         self._mark_down(server, error)

@@ -176,8 +176,8 @@ class Agent:
     """Runs trajectories: one Engine, one tokenizer, sandboxes from a pool.
 
     `sandboxes` bounds the number of live sandboxes (episodes) at once, and closes them
-    and its factory (a Docker fleet's probes and containers) on exit, on exceptions and
-    on SIGTERM.
+    and its factory (what it made, on this machine or a Ray cluster) on exit, on
+    exceptions and on SIGTERM.
     `latency`: a model of slow tool calls (env.latency), slept before each call.
     `logprobs`: the engine computes the sampled tokens' log-probs (off for greedy
     evaluation, whose turns are never trained on: NaN in their place; with_sampling).
@@ -217,7 +217,9 @@ class Agent:
     async def run(self, job: RolloutJob) -> Trajectory:
         """One trajectory; env_error ones are retried `cfg.env_retries` times."""
         for attempt in range(self.cfg.env_retries + 1):
-            traj = await self._run_once(job, functools.partial(self._generate, job, attempt))
+            uid = uuid.uuid4().hex  # the episode's id: its turns' routing key (one server)
+            traj = await self._run_once(job, functools.partial(self._generate, job, attempt, uid),
+                                        uid)
             if not traj.is_env_error:
                 break
         return traj
@@ -238,12 +240,13 @@ class Agent:
 
         return await self._run_once(RolloutJob(task, max_steps=max_steps), act)
 
-    async def _generate(self, job: RolloutJob, attempt: int, context: list[int], budget: int):
+    async def _generate(self, job: RolloutJob, attempt: int, session: str, context: list[int],
+                        budget: int):
         cfg = self.cfg
         request = GenerateRequest(
             context, budget, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
             stop_token_ids=self.stop_ids, seed=request_seed(job.seed, attempt, len(context)),
-            return_logprob=self.logprobs)
+            return_logprob=self.logprobs, session=session)
         self.activity.start()
         try:
             [result] = await self.engine.generate([request])
@@ -255,8 +258,8 @@ class Agent:
             else result.policy_version
         return result.output_ids, result.logprobs, version
 
-    async def _run_once(self, job: RolloutJob, act) -> Trajectory:
-        traj = Trajectory(task_id=job.task.instance_id, uid=uuid.uuid4().hex, turns=[],
+    async def _run_once(self, job: RolloutJob, act, uid: str = "") -> Trajectory:
+        traj = Trajectory(task_id=job.task.instance_id, uid=uid or uuid.uuid4().hex, turns=[],
                           policy_version=self.policy_version, seed=job.seed)
         traj.timings = {"generate_s": 0.0, "env_s": 0.0, "grade_s": 0.0}
         try:

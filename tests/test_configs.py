@@ -336,8 +336,9 @@ def test_config_files_import_only_ml_collections_and_configs():
 # name checked by its owner), not one of a few choices.
 FREE_TEXT = {"advantage", "distributed.coordinator", "engine.sglang.command",
              "engine.sglang.export_dir", "engine.sglang.host", "engine.sglang.python",
-             "env.image", "env.image_template", "env.tasks", "model.hf_path",
-             "rollout.system_prompt", "spo.init_values", "tokenizer.path"}
+             "engine.sglang.router", "env.ray_address", "env.image", "env.image_template",
+             "env.tasks", "model.hf_path", "rollout.system_prompt", "spo.init_values",
+             "tokenizer.path"}
 
 
 def test_every_string_key_has_choices_or_is_free_text():

@@ -81,8 +81,8 @@ PRIVATE = {
     "rl/algos": ("rl.algos.base", "rl.algos.grpo_ps", "rl.algos.spo"),  # via rl.algos
     # via env.sandbox (with env.sandbox.base, the interface, and env.sandbox.pool)
     "env/sandbox": tuple(f"env.sandbox.{m}" for m in (
-        "factory", "local", "docker", "fleet", "supervisor", "supervisor_main", "shell", "fsread",
-        "output")),
+        "factory", "local", "docker", "cluster", "supervisor", "supervisor_main", "shell",
+        "fsread", "output")),
     # engines via inference.build
     "inference": ("inference.embedded", "inference.sglang", "inference.launcher"),
 }

@@ -3,10 +3,9 @@ closes every sandbox before the process exits; after SIGKILL the next run remove
 the dead run's containers when it starts.
 
 References: the Docker engine's own container list, filtered by the owner label the
-fleet puts on every container (hostname, pid and start time of the trainer).
+sandbox factory puts on every container (hostname, pid and start time of the trainer).
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import time
 import pytest
 from sandbox_backends import ensure_image
 
-from env.sandbox.fleet import OWNER_LABEL, owner_identity
+from env.sandbox.docker import OWNER_LABEL, owner_identity
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.docker
@@ -77,16 +76,11 @@ def test_stopped_trainer_leaves_no_container(signum, docker_client, tmp_path):
     assert containers_of(docker_client, owner)  # SIGKILL: nothing could clean up
     rerun_log = str(tmp_path / "rerun.log")
     rerun, rerun_owner = start(str(tmp_path / "run"), image, rerun_log)
-    try:  # the rerun's fleet is up once it logs the engines' state
-        wait_until(lambda: logged(rerun_log, "docker fleet:"), rerun, rerun_log)
+    try:  # the rerun's sandbox factory logs what it removed once it is made
+        wait_until(lambda: logged(rerun_log, "containers of exited runs"), rerun, rerun_log)
         assert containers_of(docker_client, owner) == []
         assert rerun.wait(timeout=600) == 0, tail(rerun_log)
     finally:
         if rerun.poll() is None:
             os.killpg(rerun.pid, signal.SIGKILL)
     assert containers_of(docker_client, rerun_owner) == []  # a run that ends closes its own
-    # Each RL step's metrics carry the fleet's per-engine counts.
-    with open(tmp_path / "run" / "metrics.jsonl") as f:
-        rows = [json.loads(line) for line in f if "time/rollout_s" in line]
-    assert rows and all(r["env/engine0/up"] == 1.0 and r["env/engine0/created"] > 0
-                        for r in rows), rows

@@ -31,12 +31,13 @@ import logging
 import os
 import posixpath
 import select
+import socket
 import struct
 import tarfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import docker
 import docker.errors
@@ -44,12 +45,15 @@ import requests.exceptions
 
 from env.paths import repo_relative
 from env.sandbox import base, shell
-from env.sandbox.local import EXEC_ENV
+from env.sandbox.local import EXEC_ENV, _process_identity
 from env.sandbox.output import CappedOutput
 
 log = logging.getLogger(__name__)
 
 LABEL = "swe-rl.sandbox"
+# "<hostname>:<pid>:<process start time>" of the trainer that made the container: the
+# next run on that host removes the containers of exited owners (a SIGKILLed trainer).
+OWNER_LABEL = "swe-rl.owner"
 HOST_GRACE_S = 30.0
 PID1 = ["bash", "-c", "trap '' CHLD; exec sleep infinity"]
 # $1 = timeout seconds, $2 = command. The command's stderr joins its stdout in one pipe,
@@ -136,6 +140,42 @@ def remove_containers(labels: Mapping[str, str], client: docker.DockerClient | N
     return removed
 
 
+def owner_identity(pid: int | None = None) -> str:
+    """"<hostname>:<pid>:<start time>" of a running process (default: this one)."""
+    return f"{socket.gethostname()}:{_process_identity(pid or os.getpid())}"
+
+
+def exited_owners(owners: Iterable[str]) -> set[str]:
+    """The owners (OWNER_LABEL values) that ran on this host and have exited; owners on
+    other hosts are never judged here."""
+    host, exited = socket.gethostname(), set()
+    for owner in owners:
+        owner_host, _, identity = owner.partition(":")
+        pid = identity.split(":")[0]
+        if owner_host == host and identity and (
+                not pid.isdigit() or _process_identity(int(pid)) != identity):
+            exited.add(owner)
+    return exited
+
+
+def container_owners(client: docker.DockerClient) -> set[str]:
+    """The OWNER_LABEL values of the engine's containers."""
+    with docker_errors("listing sandbox containers"):
+        containers = client.api.containers(all=True, filters={"label": OWNER_LABEL})
+    return {c["Labels"][OWNER_LABEL] for c in containers}
+
+
+def remove_owned(client: docker.DockerClient, owners: Iterable[str]) -> int:
+    """Removes every container of `owners`; returns how many."""
+    return sum(remove_containers({OWNER_LABEL: owner}, client) for owner in owners)
+
+
+def reap_exited_owners(client: docker.DockerClient) -> int:
+    """Removes the containers whose owner ran on this host and has exited; returns how
+    many. Containers of other hosts' processes are left alone."""
+    return remove_owned(client, exited_owners(container_owners(client)))
+
+
 def _remove_container(client: docker.DockerClient, container_id: str,
                       wait_s: float = 30.0, engine: str | None = None) -> None:
     """Force-removes a container; also waits out a removal another thread started."""
@@ -194,15 +234,12 @@ class DockerSandbox(base.Sandbox):
     is), or `repo_files` written to a fresh `workdir`; and its `env_setup`, the image's
     environment activation (official images activate theirs only in an interactive
     `.bashrc`) (base.Source). options: the container's limits and engine.
-    on_close: called once when the sandbox is closed, with the SandboxError of a failed
-    removal or None (a fleet frees the engine's slot, or marks a silent engine down).
     """
 
     SOURCE_KEYS = ("image", "workdir", "base_commit", "repo_files", "env_setup")
     Options = DockerOptions
 
-    def __init__(self, source: base.Source, options: DockerOptions = DockerOptions(),
-                 on_close: Callable[[Exception | None], object] | None = None):
+    def __init__(self, source: base.Source, options: DockerOptions = DockerOptions()):
         workdir, image = source.workdir, source.image
         if not image:
             raise ValueError("a docker sandbox needs an image")
@@ -218,10 +255,6 @@ class DockerSandbox(base.Sandbox):
         self.file_size_bytes = options.file_size_bytes
         self.env_setup = source.env_setup
         self.container_id: str | None = None
-        # Set (to the reason) when the engine is known to be down: every later call fails
-        # at once instead of waiting on an engine that does not answer.
-        self.lost = ""
-        self._on_close = on_close
         self._client = options.client or connect()
         self.engine = options.engine or self._client.api.base_url  # (for logs and metrics)
         limits = dict(detach=True, network_mode="none", mem_limit=options.mem_limit,
@@ -302,8 +335,6 @@ class DockerSandbox(base.Sandbox):
         """
         if self.container_id is None:
             raise base.SandboxError("sandbox is closed")
-        if self.lost:
-            raise base.SandboxError(self.lost)
         api = self._client.api
         out = CappedOutput(cap) if cap is not None else bytearray()
         err = bytearray()
@@ -431,24 +462,10 @@ class DockerSandbox(base.Sandbox):
     # -- teardown ---------------------------------------------------------------------
 
     def close(self) -> None:
-        """Force-removes the container; retried by a later close() if the engine failed,
-        unless the sandbox is `lost` (its engine down). `on_close` runs once, on the
-        first close, whether the removal worked or not."""
-        on_close, self._on_close = self._on_close, None
-        failure = None
-        try:
-            if self.container_id is not None:
-                _remove_container(self._client, self.container_id, engine=self.engine)
-                self.container_id = None
-        except base.SandboxError as e:
-            failure = e
-        finally:
-            if on_close is not None:
-                on_close(failure)
-        if failure is not None and not self.lost:
-            raise failure
-        # (An engine marked down: its fleet removes the container when it is back.)
-        self.container_id = None
+        """Force-removes the container; retried by a later close() if the engine failed."""
+        if self.container_id is not None:
+            _remove_container(self._client, self.container_id, engine=self.engine)
+            self.container_id = None
 
 
 def _text(data: bytes | bytearray) -> str:

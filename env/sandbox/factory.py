@@ -1,9 +1,9 @@
 """The one place sandboxes are made: a task (or a backend's own arguments) -> a new
-sandbox of the run's backend, on one engine or over a Docker fleet.
+sandbox of the run's backend, on this machine or placed by Ray (env.sandbox.cluster).
 
-Every factory has `metrics()` (scalars for the step's row: a fleet's engines, local
-sandboxes without a memory cgroup) and `close()` (a fleet stops probing and removes its
-containers); the sandboxes themselves are bounded and closed by env.sandbox.pool.
+Every factory has `metrics()` (scalars for the step's row: a Ray cluster's slots, local
+sandboxes without a memory cgroup) and `close()` (removes what its sandboxes left); the
+sandboxes themselves are bounded and closed by env.sandbox.pool.
 """
 
 from __future__ import annotations
@@ -16,18 +16,23 @@ from typing import Any
 
 from env.config import EnvConfig
 from env.sandbox.base import Sandbox, from_keywords
-from env.sandbox.docker import DockerSandbox, docker_host, remove_containers
-from env.sandbox.fleet import DockerFleet
+from env.sandbox.docker import (
+    OWNER_LABEL,
+    DockerSandbox,
+    connect,
+    owner_identity,
+    reap_exited_owners,
+    remove_containers,
+)
 from env.sandbox.local import LocalSandbox, reap_stale
 from env.tasks import Task
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("local", "docker")
+PLACEMENTS = ("local", "ray")
 # Docker sandboxes carry {FACTORY_LABEL: factory.id}: close() removes what is left.
 FACTORY_LABEL = "swe-rl.factory"
-# The fleet's own keywords (the rest are its sandboxes' defaults).
-FLEET_KEYWORDS = ("probe_s", "timeout_s", "wait_s")
 
 
 def sandbox_spec(task: Task, backend: str) -> dict[str, Any]:
@@ -68,7 +73,8 @@ class SandboxFactory:
     task's own source (sandbox_spec) overrides them. Called with a mapping instead of
     a task, it takes the mapping as the backend's arguments.
 
-    id: unique id of this factory; its Docker sandboxes carry {FACTORY_LABEL: id}.
+    id: unique id of this factory; its Docker sandboxes carry {FACTORY_LABEL: id} and
+      {OWNER_LABEL: this process} (the next run removes them if it was killed).
     """
 
     def __init__(self, backend: str, **defaults: Any):
@@ -77,7 +83,7 @@ class SandboxFactory:
         check_keywords(backend, defaults)
         self.backend, self.defaults = backend, defaults
         self.id = uuid.uuid4().hex[:12]
-        self.labels = {FACTORY_LABEL: self.id}
+        self.labels = {FACTORY_LABEL: self.id, OWNER_LABEL: owner_identity()}
         self._no_memory_cgroup = 0  # local sandboxes made since metrics() without one
         self._lock = threading.Lock()
 
@@ -123,39 +129,29 @@ def check_keywords(backend: str, defaults: Mapping[str, Any]) -> None:
         raise TypeError(f"SandboxFactory({backend!r}) got {e}") from None
 
 
-class FleetFactory(SandboxFactory):
-    """task -> a new Docker sandbox holding the task's repository, on the engine of a
-    fleet with the most free slots (env.sandbox.fleet); `close()` closes the fleet."""
-
-    def __init__(self, hosts: list[str], slots_per_engine: int, **defaults: Any):
-        fleet_own = {k: defaults.pop(k) for k in FLEET_KEYWORDS if k in defaults}
-        super().__init__("docker", **defaults)
-        self.fleet = DockerFleet(hosts, slots_per_engine, **fleet_own, **defaults)
-
-    def create(self, **spec: Any) -> Sandbox:
-        return self.fleet.create(**spec)
-
-    def metrics(self) -> dict[str, float]:
-        """The fleet's per-engine scalars (`env/engine{i}/...`)."""
-        return self.fleet.metrics()
-
-    def close(self) -> None:
-        self.fleet.close()
-
-
 def from_config(env_cfg: EnvConfig) -> SandboxFactory:
-    """The `env` section's sandboxes: `env.backend`; for Docker, a fleet over
-    `env.docker_hosts` (removing exited runs' containers on each), tasks without an
-    image of their own running in `env.image`; for local, the sandbox directories of
-    exited runs removed first."""
-    if env_cfg.backend not in ("local", "docker"):
-        raise ValueError(f"env.backend must be 'local' or 'docker', got {env_cfg.backend!r}")
-    defaults = {"image": env_cfg.image} if env_cfg.backend == "docker" and env_cfg.image else {}
+    """The `env` section's sandboxes: `env.backend`, placed on this machine or by Ray
+    (`env.placement`, `env.ray_address`); tasks without an image of their own run in
+    `env.image`. What exited runs left (containers, sandbox directories) goes first."""
+    if env_cfg.backend not in BACKENDS:
+        raise ValueError(f"env.backend must be one of {BACKENDS}, got {env_cfg.backend!r}")
+    if env_cfg.placement not in PLACEMENTS:
+        raise ValueError(f"env.placement must be one of {PLACEMENTS}, got {env_cfg.placement!r}")
+    defaults: dict[str, Any] = {"image": env_cfg.image} if env_cfg.image else {}
+    if env_cfg.backend == "local":
+        defaults = {"allow_unisolated": env_cfg.local_allow_unisolated,
+                    "read_only": tuple(env_cfg.local_read_only)}
+    if env_cfg.placement == "ray":
+        from env.sandbox.cluster import RayFactory  # (ray is imported only when placed by it)
+
+        return RayFactory(env_cfg.backend, address=env_cfg.ray_address,
+                          local_slots=env_cfg.max_concurrent, **defaults)
     if env_cfg.backend == "docker":
-        return FleetFactory(list(env_cfg.docker_hosts) or [docker_host()],
-                            env_cfg.docker_slots or env_cfg.max_concurrent, **defaults)
+        client = connect()
+        log.info("docker engine %s: removed %d containers of exited runs",
+                 client.api.base_url, reap_exited_owners(client))
+        return SandboxFactory("docker", client=client, **defaults)
     stale = reap_stale()
     if stale:
         log.info("removed %d sandbox directories of exited processes", len(stale))
-    return SandboxFactory("local", **defaults, allow_unisolated=env_cfg.local_allow_unisolated,
-                          read_only=tuple(env_cfg.local_read_only))
+    return SandboxFactory("local", **defaults)

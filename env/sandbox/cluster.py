@@ -1,0 +1,253 @@
+"""Sandboxes placed by Ray: every host of a Ray cluster advertises `sandbox_slot`
+resources and runs the local or Docker backend against its own engine.
+
+    ray start --head --resources='{"sandbox_slot": 64}'               # first host
+    ray start --address=HEAD_IP:6379 --resources='{"sandbox_slot": 64}'  # every other
+    factory = RayFactory("docker", address="auto", image="swe-sandbox:test")
+
+Placement: each sandbox holds one slot through a one-bundle placement group
+{"sandbox_slot": 1} that Ray's scheduler puts on a node with a free slot; while none
+has one, `create` waits (up to `wait_s`, then SandboxError naming the cluster's
+slots). The sandbox itself lives in its node's host: one threaded SandboxHost actor
+per node and factory, serving every sandbox of the factory on that node. (An actor per
+sandbox costs a Ray worker process per sandbox: ~50 MiB each, and seconds to start on
+a loaded machine; one per node costs ~50 MiB for all, for the same ~1.4 ms per call:
+bench/scaleout.py.)
+
+Failures: when a node (or its host) dies, every call of its sandboxes raises
+SandboxError (an env_error for their episodes, never a reward). An exception raised
+inside a sandbox (FileNotFoundError, ValueError, PatchTooLarge, ...) reaches the caller
+with its own type.
+
+Leftovers: a host that starts removes what exited runs left on its node: for Docker,
+the containers whose owner (OWNER_LABEL: the trainer's host, pid and start time) ran on
+the trainer's host and has exited (a trainer killed with SIGKILL; owners are judged
+by the trainer, the only one that sees its own host's processes); for local, the
+sandbox directories of exited processes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from typing import Any
+
+import ray
+import ray.exceptions
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from env.sandbox import base, docker, local
+from env.sandbox.factory import FACTORY_LABEL, SandboxFactory
+
+log = logging.getLogger(__name__)
+
+SLOT = "sandbox_slot"
+# Every module of the project is importable on every host: the hosts share the checkout
+# (the same path, as a cluster's shared filesystem gives).
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Calls a host serves at once (threads of the actor): past every sandbox a node holds.
+HOST_CONCURRENCY = 1024
+
+
+class SandboxHost:
+    """The sandboxes of one factory on one node (a Ray actor): made by a SandboxFactory
+    of the node's backend carrying the trainer's factory labels."""
+
+    def __init__(self, backend: str, defaults: dict[str, Any], labels: dict[str, str]):
+        self.factory = SandboxFactory(backend, **defaults)
+        self.factory.id, self.factory.labels = labels[FACTORY_LABEL], labels
+        self.live: dict[int, base.Sandbox] = {}
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def leftovers(self) -> list[str]:
+        """Removes the sandbox directories of exited processes (local); returns the
+        owners of this node's containers (docker), for the trainer to judge."""
+        if self.factory.backend == "local":
+            local.reap_stale()
+            return []
+        return sorted(docker.container_owners(docker.connect()))
+
+    def remove_owned(self, owners: list[str]) -> int:
+        return docker.remove_owned(docker.connect(), owners)
+
+    def create(self, key: int, spec: dict[str, Any]) -> None:
+        self.live[key] = self.factory.create(**spec)
+
+    def call(self, key: int, method: str, *args: Any) -> Any:
+        sandbox = self.live.get(key)
+        if sandbox is None:
+            raise base.SandboxError("sandbox is closed")
+        return getattr(sandbox, method)(*args)
+
+    def close(self, key: int) -> None:
+        sandbox = self.live.pop(key, None)
+        if sandbox is not None:
+            sandbox.close()
+
+    def shutdown(self) -> None:
+        """Closes every sandbox of the factory on this node and removes its containers."""
+        for key in list(self.live):
+            self.close(key)
+        self.factory.close()
+
+
+def _ray_call(ref: ray.ObjectRef, what: str, timeout: float | None = None) -> Any:
+    """The value of `ref`: an exception raised in the sandbox with its own type; a lost
+    node, host or reply as SandboxError."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, Exception):
+            raise e.cause from None
+        raise base.SandboxError(f"{what}: {e}") from e
+    except (ray.exceptions.RayError, TimeoutError) as e:
+        raise base.SandboxError(f"{what}: its ray node or host was lost ({e!r})") from e
+
+
+class RaySandbox(base.Sandbox):
+    """A sandbox in the host actor of the node its slot (placement group) is on."""
+
+    def __init__(self, host, key: int, node: str, group, on_close):
+        self._host, self._key, self.node, self._group = host, key, node, group
+        self._on_close = on_close
+
+    def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        if self._group is None:
+            raise base.SandboxError("sandbox is closed")
+        return _ray_call(self._host.call.remote(self._key, method, *args),
+                         f"sandbox {method} on node {self.node[:12]}", timeout)
+
+    def run(self, cmd: str, timeout: float = 60.0) -> base.ExecResult:
+        return self._call("run", cmd, timeout, timeout=timeout + docker.HOST_GRACE_S)
+
+    def read_file(self, path: str, errors: str = "replace") -> str:
+        return self._call("read_file", path, errors)
+
+    def write_file(self, path: str, content: str) -> None:
+        self._call("write_file", path, content)
+
+    def patch(self) -> str:
+        return self._call("patch")
+
+    def apply_patch(self, patch: str) -> None:
+        self._call("apply_patch", patch)
+
+    def close(self) -> None:
+        """Closes the sandbox on its node (a lost node took it along) and frees the slot."""
+        group, self._group = self._group, None
+        if group is None:
+            return
+        try:
+            _ray_call(self._host.close.remote(self._key), f"closing a sandbox on {self.node[:12]}")
+        except base.SandboxError as e:
+            log.warning("%s; what it left goes when its node's host next starts", e)
+        finally:
+            remove_placement_group(group)
+            self._on_close()
+
+
+class RayFactory(SandboxFactory):
+    """task -> a sandbox of `backend` placed by Ray on a node with a free `sandbox_slot`.
+
+    address: the cluster ("auto": the one `ray start` joined this host to; "" starts a
+    single-node Ray here with `local_slots` slots). `defaults` are backend arguments as
+    for SandboxFactory, sent to every node (so no client objects).
+    """
+
+    def __init__(self, backend: str, address: str = "auto", *, local_slots: int = 8,
+                 wait_s: float = 600.0, **defaults: Any):
+        super().__init__(backend, **defaults)
+        if "client" in defaults:
+            raise ValueError("a Ray-placed sandbox uses its node's own docker engine: no client=")
+        if not ray.is_initialized():
+            runtime_env = {"env_vars": {"PYTHONPATH": ROOT}}
+            if address:
+                ray.init(address=address, runtime_env=runtime_env, logging_level=logging.WARNING)
+            else:
+                ray.init(resources={SLOT: local_slots}, runtime_env=runtime_env,
+                         include_dashboard=False, logging_level=logging.WARNING)
+        self.wait_s = wait_s
+        self._keys = itertools.count()
+        self._lock = threading.Lock()
+        self._hosts: dict[str, Any] = {}
+        self._live: dict[str, int] = {}  # node id -> live sandboxes
+        self._remote_host = ray.remote(SandboxHost)
+        nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOT)]
+        if not nodes:
+            raise base.SandboxError(f"no node of the Ray cluster at {address or 'local'!r} "
+                                    f"offers {SLOT!r} resources (ray start --resources=...)")
+        for node in nodes:  # each host removes what exited runs left on its node
+            self._host(node)
+        log.info("ray sandboxes: %d nodes, %d slots", len(nodes), self.metrics()["env/slots"])
+
+    def _host(self, node: str):
+        """The node's host actor, started (and its node's leftovers removed) on first use."""
+        with self._lock:
+            host = self._hosts.get(node)
+            if host is not None:
+                return host
+            host = self._remote_host.options(
+                num_cpus=0, max_concurrency=HOST_CONCURRENCY, max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+            ).remote(self.backend, self.defaults, self.labels)
+            self._hosts[node] = host
+        what = f"starting the sandbox host of node {node[:12]}"
+        owners = _ray_call(host.leftovers.remote(), what)
+        exited = sorted(docker.exited_owners(owners))
+        if exited:
+            removed = _ray_call(host.remove_owned.remote(exited), what)
+            log.info("node %s: removed %d containers of exited runs", node[:12], removed)
+        return host
+
+    def create(self, **spec: Any) -> RaySandbox:
+        """A sandbox on the node Ray gives a free slot (waits up to `wait_s` for one)."""
+        group = placement_group([{SLOT: 1}])
+        try:
+            _ray_call(group.ready(), "placing a sandbox", timeout=self.wait_s)
+        except base.SandboxError:
+            remove_placement_group(group)
+            m = self.metrics()
+            raise base.SandboxError(
+                f"no Ray node had a free {SLOT} within {self.wait_s:.0f}s ({m['env/slots']:.0f} "
+                f"slots on {m['env/nodes']:.0f} nodes, {m['env/slots_free']:.0f} free)") from None
+        node = placement_group_table(group)["bundles_to_node_id"][0]
+        key = next(self._keys)
+        try:
+            host = self._host(node)
+            _ray_call(host.create.remote(key, spec), f"creating a sandbox on node {node[:12]}")
+        except BaseException:
+            remove_placement_group(group)
+            raise
+        with self._lock:
+            self._live[node] = self._live.get(node, 0) + 1
+        return RaySandbox(host, key, node, group, lambda: self._closed(node))
+
+    def _closed(self, node: str) -> None:
+        with self._lock:
+            self._live[node] -= 1
+
+    def metrics(self) -> dict[str, float]:
+        """The cluster's sandbox nodes, slots and free slots; this factory's live sandboxes."""
+        nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOT)]
+        with self._lock:
+            live = sum(self._live.values())
+        return {"env/nodes": float(len(nodes)),
+                "env/slots": float(sum(n["Resources"][SLOT] for n in nodes)),
+                "env/slots_free": float(ray.available_resources().get(SLOT, 0.0)),
+                "env/live": float(live)}
+
+    def close(self) -> None:
+        """Closes this factory's sandboxes and containers on every node that answers."""
+        with self._lock:
+            hosts, self._hosts = dict(self._hosts), {}
+        for node, host in hosts.items():
+            try:
+                _ray_call(host.shutdown.remote(), f"closing the sandboxes of node {node[:12]}")
+            except base.SandboxError as e:
+                log.warning("%s; what it left goes when its node's host next starts", e)
+            ray.kill(host)
