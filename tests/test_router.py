@@ -11,6 +11,7 @@ import collections
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -63,15 +64,24 @@ def gateway(servers):
         yield gw
 
 
-def turns_by_server(servers, prefix: str) -> dict[str, collections.Counter]:
-    """routing key -> Counter(server index -> answered /generate calls), from the logs."""
-    out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    for i, server in enumerate(servers):
-        with open(server.config.log_path) as f:
-            for key in GENERATE.findall(f.read()):
-                if key.startswith(prefix):
-                    out[key][i] += 1
-    return out
+def turns_by_server(servers, prefix: str, total: int, wait_s: float = 10.0
+                    ) -> dict[str, collections.Counter]:
+    """routing key -> Counter(server index -> answered /generate calls), from the logs,
+    once they hold `total` such calls (a server writes its access-log line after the
+    response has gone out, so the client can read the answer before the line exists)
+    or after wait_s."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        for i, server in enumerate(servers):
+            with open(server.config.log_path) as f:
+                for key in GENERATE.findall(f.read()):
+                    if key.startswith(prefix):
+                        out[key][i] += 1
+        if sum(map(sum, (c.values() for c in out.values()))) >= total or \
+                time.monotonic() > deadline:
+            return out
+        time.sleep(0.1)
 
 
 def reloads(servers) -> list[int]:
@@ -109,7 +119,7 @@ def test_every_turn_of_an_episode_on_one_server(servers, gateway, mode):
 
     results = asyncio.run(go())
     assert all(len(r) == TURNS for r in results)
-    seen = turns_by_server(servers, prefix)
+    seen = turns_by_server(servers, prefix, SESSIONS * TURNS)
     assert sorted(seen) == sorted(f"{prefix}{i}" for i in range(SESSIONS))
     for key, where in seen.items():  # one server, every turn once
         assert len(where) == 1 and sum(where.values()) == TURNS, (key, where)
@@ -137,7 +147,7 @@ def test_one_reload_per_server_per_version_with_generation_in_flight(servers, ga
     for session in results:  # the versions a session's turns record never go back
         versions = [r.policy_version for r in session]
         assert versions == sorted(versions) and set(versions) <= {0, 1, 2}
-    seen = turns_by_server(servers, prefix)
+    seen = turns_by_server(servers, prefix, SESSIONS * 2 * TURNS)
     for key, where in seen.items():
         assert len(where) == 1 and sum(where.values()) == 2 * TURNS, (key, where)
 
@@ -160,7 +170,7 @@ def test_failover_when_a_server_is_killed(servers, gateway, mode):
 
     first, rest = asyncio.run(go())
     assert all(len(r) == 1 for r in first) and all(len(r) == TURNS for r in rest)
-    seen = turns_by_server(servers, prefix)
+    seen = turns_by_server(servers, prefix, SESSIONS * (1 + TURNS))
     moved = [k for k, where in seen.items() if where[1]]
     assert moved, "server 1 held episodes before it was killed"
     for key, where in seen.items():
