@@ -17,11 +17,10 @@ import pytest
 
 from inference.engine import GenerateRequest
 from inference.gateway import Gateway
-from inference.launcher import REPOSITORY, SGLangLauncher
 from inference.sglang import SGLangClient
 from models import hf_io
-from tests.owners import launcher_config, sglang_config
-from tests.test_server_client import CFG, SERVER, tiny_model
+from tests.owners import sglang_config
+from tests.test_server_client import CFG, tiny_model, two_servers
 
 SESSIONS, TURNS = 6, 3
 GENERATE = re.compile(r'"POST /generate HTTP/1.1" 200 .* routing_key=(\S+)')
@@ -41,21 +40,7 @@ def weights(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(weights, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    launchers = [SGLangLauncher(launcher_config(model_path=weights[0], command=SERVER,
-                                                env={"PYTHONPATH": REPOSITORY},
-                                                log_path=str(logs / f"s{i}.log"),
-                                                startup_timeout=120))
-                 for i in range(2)]
-    for launcher in launchers:
-        launcher.spawn()
-    try:
-        for launcher in launchers:
-            launcher.wait_healthy()
-        yield launchers
-    finally:
-        for launcher in launchers:
-            launcher.close()
+    yield from two_servers(weights[0], tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

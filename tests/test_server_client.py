@@ -82,11 +82,11 @@ def references(models):
         e.close()
 
 
-@pytest.fixture(scope="module")
-def servers(models, tmp_path_factory):
-    """Two inference.server processes on model "a", started in parallel."""
+def two_servers(model_path, tmp_path_factory):
+    """Two inference.server processes on `model_path`, started in parallel, each logging
+    to its own file (a fixture's body: yields the launchers, closes them after)."""
     logs = tmp_path_factory.mktemp("logs")
-    launchers = [SGLangLauncher(launcher_config(model_path=models["a"][1], command=SERVER,
+    launchers = [SGLangLauncher(launcher_config(model_path=model_path, command=SERVER,
                                                 env={"PYTHONPATH": REPOSITORY},
                                                 log_path=str(logs / f"s{i}.log"),
                                                 startup_timeout=120))
@@ -100,6 +100,12 @@ def servers(models, tmp_path_factory):
     finally:
         for launcher in launchers:
             launcher.close()
+
+
+@pytest.fixture(scope="module")
+def servers(models, tmp_path_factory):
+    """Two inference.server processes on model "a"."""
+    yield from two_servers(models["a"][1], tmp_path_factory)
 
 
 def assert_same(results, expected):
