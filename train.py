@@ -157,10 +157,10 @@ def check_processes(config) -> None:
     """Refuses what does not run over several processes, naming the key."""
     if jax.process_count() == 1:
         return
-    if config.algo == "spo":
-        raise ValueError("algo='spo' runs in one process: its stream collector draws prompts "
-                         "as rollouts finish, an order no two hosts share; use algo='grpo' "
-                         "for multi-host runs")
+    if config.algo == "spo" and config.batch_tasks < jax.process_count():
+        raise ValueError(f"algo='spo' over {jax.process_count()} processes needs batch_tasks "
+                         f">= {jax.process_count()} (each runs its share of every batch), got "
+                         f"{config.batch_tasks}")
     if config.engine.kind == "sglang" and not config.engine.sglang.urls:
         raise ValueError("a multi-host run takes its SGLang servers from engine.sglang.urls "
                          "(every host's client shares them; process 0 updates them once per "

@@ -285,7 +285,8 @@ def spo_defaults() -> ConfigDict:
     prior: Beta(alpha, beta) of a prompt with no offline value.
     sampler_eps: added to every prompt's weight sqrt(v (1 - v)) (Eq. 11).
     in_flight: rollouts kept running at once by the single-stream collector (more
-      than batch_tasks; the surplus carries over to the next step).
+      than batch_tasks; the surplus carries over to the next step); over several
+      processes, each keeps its share of them.
     pool_size: candidate prompts, the first pool_size training tasks (0 = all).
     init_samples: n0 offline rollouts per pool prompt with the initial policy before RL
       (0 = none); init_values: or a JSONL file of {"task_id", "successes", "n"}.

@@ -35,8 +35,11 @@ The design, and why:
   parameter in device memory at a time): an embedded engine of each host loads them
   there; SGLang servers shared by all hosts get one export and one update per
   version, from process 0, and the others wait at a barrier.
-- algo='spo' is refused over several processes: its stream collector draws the next
-  prompts as rollouts finish, an order that differs from host to host.
+- SPO's stream (rl.algos.spo) draws its prompts in chunks at fixed steps, not as
+  rollouts finish: every host draws every chunk alike from the replicated prioritised
+  sampler and runs its share of it, a step gathers each host's first finished share of
+  the batch (as below) in draw order, and every host updates the tracker from that
+  same batch (the drift D scored over all processes' devices).
 - Rollouts ahead of the learner (rollout.max_staleness > 0): every host draws the same
   chunks of jobs at the same steps and runs its share of each; a step takes each
   host's first finished share of the batch and gathers them (`gather_lists`). Which

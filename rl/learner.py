@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from kernels.kl import api as kl_api
@@ -280,9 +281,17 @@ def make_score(compute_logprobs, *, buckets, row_multiple: int = 1, pad_id: int 
         batch, info = pack_arrays([(ids, mask, np.zeros(len(ids), np.float32))
                                    for ids, mask in seqs], np.zeros(len(seqs)),
                                   buckets=buckets, row_multiple=row_multiple, pad_id=pad_id)
-        return unpack(np.asarray(jax.device_get(compute_logprobs(params, batch))), info)
+        return unpack(host_array(compute_logprobs(params, batch)), info)
 
     return score
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+    """A device array as host NumPy; rows on several processes' devices are gathered
+    (a collective: every process calls it with its part of the same array)."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(jax.device_get(x))
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def with_ref_logprobs(batch: Batch, compute_logprobs, ref_params, mesh: Mesh | None = None

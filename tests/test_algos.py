@@ -137,6 +137,26 @@ def test_spo_starts_fresh_from_a_grpo_warm_start_but_not_from_a_later_step():
         algo.load_state_dict({"step": 3, **grpo.state_dict()})
 
 
+def test_jobs_drawn_ahead_round_trip_and_an_older_checkpoint_draws_on_from_its_step():
+    """The jobs drawn and not started are host state (a resume runs them first); a
+    checkpoint written before SPO kept them resumes drawing after its step's chunks; one
+    with another process count's jobs is refused."""
+    a = _algo(prior=(1.0, 1.0))
+    a._chunks, a._local = 2, a._draw(1) + a._draw(2)
+    state = json.loads(json.dumps({"step": 1, **a.state_dict()}, default=lambda x: x.tolist()))
+    b = _algo(prior=(1.0, 1.0))
+    b.load_state_dict({**state, "tracker": a.tracker.state_dict()})
+    assert b._chunks == 2 and b._local == []
+    assert [(j.task.instance_id, j.seed) for j in b._resumed] == [
+        (j.task.instance_id, j.seed) for j in a._local]
+    del state["ahead"]
+    b.load_state_dict({**state, "step": 5, "tracker": a.tracker.state_dict()})
+    assert b._chunks == 5 and b._resumed == []
+    with pytest.raises(ValueError, match="resume it with as many"):
+        b.load_state_dict({**state, "tracker": a.tracker.state_dict(),
+                           "ahead": {"chunks": 2, "jobs": [{}, {}]}})
+
+
 def _grpo_config():
     return algo_config(batch_tasks=2, group_size=2)
 
@@ -154,8 +174,8 @@ def test_offline_start_from_a_values_file(tmp_path, form):
         assert b.tolist() == pytest.approx([8 * 6.5 / 9, 8 * 4.5 / 5, 8 * 0.5 / 4])
     # unseen="skip" draws only prompts with an offline value (the official behaviour).
     skip = _algo(tmp_path, values, unseen="skip")
-    assert {skip._next_job().task.instance_id for _ in range(30)} <= {"task0", "task1",
-                                                                       "task2"}
+    assert {j.task.instance_id for chunk in range(1, 11) for j in skip._draw(chunk)} <= {
+        "task0", "task1", "task2"}
 
 
 def test_values_file_errors_name_the_line(tmp_path):
@@ -240,5 +260,5 @@ def test_state_round_trip_continues_identically(tmp_path):
     _, adv_b, _ = _step(b, batch, 2)
     assert adv_a.tolist() == adv_b.tolist()
     assert a.tracker.values(POOL).tolist() == b.tracker.values(POOL).tolist()
-    assert [a._next_job().task.instance_id for _ in range(12)] == [
-        b._next_job().task.instance_id for _ in range(12)]
+    assert [(j.task.instance_id, j.seed) for chunk in (1, 2) for j in a._draw(chunk)] == [
+        (j.task.instance_id, j.seed) for chunk in (1, 2) for j in b._draw(chunk)]

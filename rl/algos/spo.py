@@ -2,7 +2,8 @@
 baseline per task id, prioritised prompts collected as a single stream.
 
 A step, in the official code's order (verl-recipe spo_ray_trainer.py):
-  1. the first `batch_tasks` rollouts of the stream to finish (the rest carry over);
+  1. the first `batch_tasks` rollouts of the stream to finish (the rest carry over),
+     in the order their prompts were drawn;
   2. advantages from each prompt's value before this step;
   3. the learner update (train.py);
   4. after it, under the updated parameters: the drift D of each prompt's stored
@@ -14,6 +15,15 @@ prompt with the initial policy, through the same stream collector, or
 `spo.init_values` = a JSONL file of {"task_id", "successes", "n"}; either gives
 (alpha0, beta0) in `spo.init_form` (rl.tracker.offline_prior). Without one, every prompt
 starts at `spo.prior`.
+
+Prompts are drawn in chunks of `batch_tasks` (seeds rl.seeds.job_seed(chunk, i)) at fixed
+points: step s draws until s + ceil(in_flight / batch_tasks) chunks are out, with the
+tracker's weights after step s - 1 (the points where the stream, drawing as rollouts
+finish, would need them). Over several processes every process draws every chunk alike
+(the sampler and tracker are replicated) and runs its share of each (rl.distributed);
+a step takes each process's first finished share of the batch and gathers them, so
+every process trains on, and updates the tracker from, the same batch. Jobs drawn and
+not yet trained on are checkpointed, each process re-running its own on resume.
 """
 
 from __future__ import annotations
@@ -25,9 +35,10 @@ from typing import Any
 
 import numpy as np
 
-from rl import seeds
+from rl import distributed, seeds
 from rl.algos.base import AlgoConfig, Algorithm, Context, Progress
-from rl.rollout import RolloutJob, StreamCollector
+from rl.rollout import RolloutJob, StreamCollector, decode_jobs, encode_jobs
+from rl.seeds import job_seed
 from rl.tracker import (
     BetaTracker,
     PrioritizedSampler,
@@ -41,7 +52,8 @@ log = logging.getLogger(__name__)
 
 
 class SPO(Algorithm):
-    """SPO; host state: tracker (values and stored responses), prompt sampler, rng."""
+    """SPO; host state: tracker (values and stored responses), prompt sampler, rng (the
+    offline start's seeds), the jobs drawn and not yet trained on."""
 
     stream = True
 
@@ -64,10 +76,13 @@ class SPO(Algorithm):
         ids = list(self.task_by_id)
         self.pool_ids = ids[:self.cfg.pool_size] if self.cfg.pool_size else ids
         self.started = not (self.cfg.init_samples or self.cfg.init_values)
-        self._queued: list[str] = []
         self._collector: StreamCollector | None = None
-        self._pending: tuple[list[str], np.ndarray, list[tuple[np.ndarray, np.ndarray]]] | None
-        self._pending = None
+        self._chunks = 0  # chunks of prompts drawn (their seeds)
+        self._local: list[RolloutJob] = []  # this process's share of them, not yet started
+        self._resumed: list[RolloutJob] = []  # a resumed run's unfinished jobs
+        # the step's scored batch, for after_update: (task ids, rewards, drift windows)
+        self._batch: tuple[list[str], np.ndarray, list[tuple[np.ndarray, np.ndarray]]] | None
+        self._batch = None
 
     # ------------------------------------------------------------ offline start
 
@@ -90,26 +105,30 @@ class SPO(Algorithm):
         return m
 
     async def _sample_offline(self, progress: Progress):
-        """init_samples rollouts of every pool prompt, scored ones counted per prompt."""
-        jobs = iter([RolloutJob(self.task_by_id[t], seed=int(self.rng.integers(1 << 30)))
-                     for t in self.pool_ids for _ in range(self.cfg.init_samples)])
-        total = len(self.pool_ids) * self.cfg.init_samples
-        collector = StreamCollector(self.agent, lambda: next(jobs, None), self.cfg.in_flight)
+        """init_samples rollouts of every pool prompt (each process runs its share of
+        them), scored ones counted per prompt, prompts in pool order."""
+        jobs = [RolloutJob(self.task_by_id[t], seed=int(self.rng.integers(1 << 30)))
+                for t in self.pool_ids for _ in range(self.cfg.init_samples)]
+        mine = iter([jobs[i] for i in distributed.share(len(jobs))])
+        collector = StreamCollector(self.agent, lambda: next(mine, None),
+                                    len(distributed.share(self.cfg.in_flight)))
         try:
-            trajs = [t for g in await collector.collect(total, progress) for t in g]
+            groups = await collector.collect(len(distributed.share(len(jobs))), progress)
         finally:
             await collector.close()
+        outcomes = await distributed.gather_lists(
+            [(t.task_id, t.is_scored, t.reward) for g in groups for t in g])
         counts: dict[str, list[int]] = {}
-        for t in trajs:
-            if t.is_scored:
-                s_n = counts.setdefault(t.task_id, [0, 0])
-                s_n[0], s_n[1] = s_n[0] + int(t.reward), s_n[1] + 1
-        ids = list(counts)
+        for task_id, is_scored, reward in outcomes:
+            if is_scored:
+                s_n = counts.setdefault(task_id, [0, 0])
+                s_n[0], s_n[1] = s_n[0] + int(reward), s_n[1] + 1
+        ids = [t for t in self.pool_ids if t in counts]
         successes = np.array([counts[t][0] for t in ids], np.int64)
         n = np.array([counts[t][1] for t in ids], np.int64)
         scored = int(n.sum())
-        m = {"spo/init_rollouts": float(len(trajs)),
-             "spo/init_env_errors": float(len(trajs) - scored),
+        m = {"spo/init_rollouts": float(len(outcomes)),
+             "spo/init_env_errors": float(len(outcomes) - scored),
              "spo/init_prompts": float(len(ids)),
              "spo/init_pass_rate": float(successes.sum() / scored) if scored else float("nan")}
         return ids, successes, n, m
@@ -125,24 +144,34 @@ class SPO(Algorithm):
                              "has an offline value (spo.init_samples or spo.init_values)")
         return pool
 
-    def _next_job(self) -> RolloutJob:
-        """One single-rollout job; ids are drawn in chunks of batch_tasks, with weights
-        re-read from the tracker at every chunk."""
-        if not self._queued:
-            pool = self._pool()
-            self._queued.extend(self.sampler.sample(pool, min(self.run_cfg.batch_tasks, len(pool))))
-        return RolloutJob(self.task_by_id[self._queued.pop(0)],
-                          seed=int(self.rng.integers(1 << 30)))
+    def _draw(self, chunk: int) -> list[RolloutJob]:
+        """Chunk `chunk`'s prompts, drawn alike on every process by the tracker's weights
+        now (seeds job_seed(chunk, i)); this process's share of them."""
+        pool = self._pool()
+        ids = self.sampler.sample(pool, min(self.run_cfg.batch_tasks, len(pool)))
+        return [RolloutJob(self.task_by_id[ids[i]], seed=job_seed(chunk, i))
+                for i in distributed.share(len(ids))]
+
+    def _next_job(self) -> RolloutJob | None:
+        return self._local.pop(0) if self._local else None
 
     async def collect(self, step: int, progress: Progress = None) -> list[list[Trajectory]]:
+        batch = self.run_cfg.batch_tasks
+        while self._chunks < step + -(-self.cfg.in_flight // batch):
+            self._chunks += 1
+            self._local += self._draw(self._chunks)
         if self._collector is None:
             self._collector = StreamCollector(
-                self.agent, self._next_job, self.cfg.in_flight,
+                self.agent, self._next_job, len(distributed.share(self.cfg.in_flight)),
                 # rollout.max_staleness 0: the stream as it always ran, ages unbounded.
                 max_staleness=self.run_cfg.rollout.max_staleness or None,
                 stale=self.run_cfg.rollout.stale)
-        return await self._collector.collect(self.run_cfg.batch_tasks, progress,
+            self._collector.requeue(self._resumed)
+            self._resumed = []
+        mine = await self._collector.collect(len(distributed.share(batch)), progress,
                                              version=self.agent.policy_version)
+        # Draw order (the seeds'), whichever process ran a rollout and when it finished.
+        return sorted(await distributed.gather_lists(mine), key=lambda g: g[0].seed)
 
     # ------------------------------------------------------------ the tracker
 
@@ -150,13 +179,13 @@ class SPO(Algorithm):
                    ) -> tuple[list[Trajectory], np.ndarray, dict[str, float]]:
         """A = r - v_before, batch-normalised; remembers the batch for after_update."""
         scored = [t for g in groups for t in g if t.is_scored]
-        self._pending = None
+        self._batch = None
         if not scored:
             return [], np.zeros(0), {}
         ids = [t.task_id for t in scored]
         rewards = np.array([t.reward for t in scored], np.float64)
         v_before = self.tracker.values(ids)
-        self._pending = (ids, rewards, [self._drift_window(t) for t in scored])
+        self._batch = (ids, rewards, [self._drift_window(t) for t in scored])
         adv = spo_advantages(rewards, v_before, ddof=self.cfg.adv_std_ddof)
         metrics = {"spo/v_mean": float(v_before.mean())}
         if rewards.var() > 0:  # the share of the reward's variance the baseline leaves
@@ -174,10 +203,10 @@ class SPO(Algorithm):
 
     async def after_update(self, step: int, params) -> dict[str, float]:
         """D under the updated params, the tracker update, this step's responses stored."""
-        if self._pending is None:
+        if self._batch is None:
             return {}
-        ids, rewards, arrays = self._pending
-        self._pending = None
+        ids, rewards, arrays = self._batch
+        self._batch = None
         if self.tracker.rho_type == "constant":
             rho = self.tracker.update(ids, rewards)
             return {"spo/rho_mean": float(rho.mean()), "spo/tracked": float(len(self.tracker))}
@@ -198,8 +227,12 @@ class SPO(Algorithm):
     # ------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, Any]:
+        pending = self._collector.pending() if self._collector else self._resumed
         return {"tracker": self.tracker.state_dict(), "spo_sampler": self.sampler.state_dict(),
-                "np_rng": self.rng.bit_generator.state, "started": self.started}
+                "np_rng": self.rng.bit_generator.state, "started": self.started,
+                # every process's jobs not yet trained on (a collective)
+                "ahead": {"chunks": self._chunks, "jobs": distributed.allgather_objects(
+                    encode_jobs([*pending, *self._local]))}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if "tracker" not in state:
@@ -214,6 +247,21 @@ class SPO(Algorithm):
         self.sampler.load_state_dict(state["spo_sampler"])
         self.rng.bit_generator.state = state["np_rng"]
         self.started = bool(state["started"])
+        self._load_ahead(state)
+
+    def _load_ahead(self, state: Mapping[str, Any]) -> None:
+        """This process's jobs in flight at the checkpoint, to run again first."""
+        self._local = []
+        if "ahead" not in state:  # a checkpoint that kept none: draw on from its step
+            self._chunks, self._resumed = int(state.get("step", 0)), []
+            return
+        jobs = state["ahead"]["jobs"]
+        if len(jobs) != distributed.process_count():
+            raise ValueError(f"the checkpoint holds the jobs in flight of {len(jobs)} "
+                             f"processes; resume it with as many (this run has "
+                             f"{distributed.process_count()})")
+        self._chunks = int(state["ahead"]["chunks"])
+        self._resumed = decode_jobs(jobs[distributed.process_index()], self.task_by_id)
 
     async def close(self) -> None:
         if self._collector is not None:
