@@ -303,3 +303,149 @@ def test_dry_run_says_why_a_mesh_does_not_fit(capsys):
     assert layout["process_count"] == 1 and layout["global_devices"] == 8
     assert layout["mesh"].startswith("not on these devices") and "needs 1 devices" in layout[
         "mesh"]
+
+
+# SPO's smoke config on the 8-device mesh, no warm start: 4 prompts a step, 4 rollouts in
+# flight (the next starts as one finishes, the learner's time included). A rollout's
+# first turn waits for the engine's first compile, minutes on a loaded machine: a wall
+# timeout before it would end the rollout with no tokens.
+SPO_SMOKE = ["train.py", "--config", "configs/default.py:smoke,spo,steps=3", "--set",
+             "mesh.fsdp=-1", "--set", "spo.in_flight=4", "--set", "sft.steps=0",
+             "--set", "eval_every=3", "--set", "ckpt_keep=10",
+             "--set", "rollout.wall_timeout_s=3600.0"]
+
+
+def test_spo_two_processes_match_one_and_resume_after_kill(tmp_path):
+    """SPO as 2 processes x 4 devices, killed once the checkpoint of RL step 1 is complete
+    and resumed to step 3, against 1 process x 8 devices: the host state is the same on
+    both processes at every checkpoint, every prompt drawn is trained on once or still in
+    flight at the end, and the tracker makes the same per-prompt updates as one process's."""
+    from test_async import _tb
+
+    from rl.seeds import job_seed
+
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    reference = _spawn([sys.executable, *SPO_SMOKE, "--workdir", one], 0, 8, one)
+    first = _spawn([sys.executable, *SPO_SMOKE, "--workdir", two], 2, 4, two + "_first")
+    step1 = os.path.join(two, "ckpt", "1")
+    _kill_once_saved(first, step1, timeout=1800)
+    first_logs = [err for _, err in _logs(two + "_first", 2)]
+    assert os.path.isdir(step1), first_logs[0][-3000:]
+    resumed = _finish(_spawn([sys.executable, *SPO_SMOKE, "--workdir", two], 2, 4, two),
+                      two, timeout=1800)
+    ((_, ref_err),) = _finish(reference, one, timeout=1800)
+
+    # Host state (tracker, sampler, jobs in flight) identical on both processes at every
+    # checkpoint: the killed run's step 1 (and 2 if it got there), the resumed run's.
+    saved = {step: distributed.digest(_host(two, step)) for step in (1, 2, 3)}
+    for killed in first_logs:
+        digests = _logged_digests(killed, "host state at step 1:")
+        assert digests == [saved[1]], killed[-3000:]
+    for _, err in resumed:
+        assert _logged_digests(err, "at step 1 (host state") == [saved[1]], err[-3000:]
+        assert [_logged_digests(err, f"host state at step {s}:") for s in (2, 3)] == [
+            [saved[2]], [saved[3]]]
+
+    # No prompt trained twice or lost: every job drawn (chunks of 4, seeds
+    # job_seed(chunk, i)) is trained on by exactly one step, or still in flight in the
+    # last checkpoint; those in flight at step 1 ran again after the kill.
+    consumed = [text.split() for _, text in _tb(two, "rollout/consumed")]
+    assert [s for s, _ in _tb(two, "rollout/consumed")] == [1, 2, 3]
+    seeds = [int(item.rsplit(":", 1)[1]) for step in consumed for item in step]
+    ahead = _host(two, 3)["ahead"]
+    assert len(ahead["jobs"]) == 2 and int(ahead["chunks"]) == 4
+    pending = [int(s) for host in ahead["jobs"] for s in host["seeds"]]
+    drawn = [job_seed(c, i) for c in range(1, 5) for i in range(4)]
+    assert sorted(seeds + pending) == drawn and len(seeds) == 3 * 4
+    in_flight_at_1 = [int(s) for host in _host(two, 1)["ahead"]["jobs"] for s in host["seeds"]]
+    assert sorted(in_flight_at_1 + seeds[:4]) == drawn[:8]
+    assert set(in_flight_at_1) & set(seeds[4:])
+
+    # Against one process: the same tracker updates (below), and the same stored
+    # responses where both trained on the same prompts in the same order. Steps 1 and
+    # 2 train on rollouts sampled by the starting weights (step 1's update is zero:
+    # every prompt is first seen at the prior's value and nothing is solved, so every
+    # advantage is 0); step 3's rollouts ran while step 2's update arrived, at moments
+    # that differ between the runs, and their tokens differ.
+    trained = _spo_compare_trackers(one, two)
+    for step in (1, 2):
+        if trained[step]:
+            ref_tracker, tracker = _host(one, step)["tracker"], _host(two, step)["tracker"]
+            for key in ("resp_rows", "resp_len", "resp_ids", "resp_mask"):
+                assert np.array_equal(tracker[key], ref_tracker[key]), (step, key)
+            np.testing.assert_allclose(tracker["resp_logp"], ref_tracker["resp_logp"],
+                                       atol=1e-5)
+    assert _logged_digests(ref_err, "host state at step 3:")
+
+
+def test_spo_over_more_processes_than_prompts_a_step_is_refused(tmp_path):
+    """Each process runs its share of every batch: SPO with fewer prompts a step than
+    processes is refused before anything is built, naming the key."""
+    logs = str(tmp_path / "few")
+    procs = _spawn([sys.executable, "train.py", "--config", "configs/default.py:smoke,spo",
+                    "--dry_run", "--set", "mesh.fsdp=-1", "--set", "batch_tasks=1"], 2, 4, logs)
+    for proc in procs:
+        proc.wait(timeout=300)
+    for proc, (_, err) in zip(procs, _logs(logs, 2), strict=True):
+        assert proc.returncode != 0 and "needs batch_tasks >= 2" in err, err[-3000:]
+
+
+def _visits(workdir: str) -> list[dict[str, list[int]]]:
+    """For each RL step, every prompt's rewards of its scored rollouts trained on up to
+    and including that step, in training order (TensorBoard text `rollout/groups`)."""
+    from test_async import _tb
+
+    seen: dict[str, list[int]] = {}
+    out = []
+    for _, text in _tb(workdir, "rollout/groups"):
+        for task_id, _, _, successes, scored in json.loads(text):
+            if scored:
+                seen.setdefault(task_id, []).append(successes)
+        out.append({t: list(r) for t, r in seen.items()})
+    return out
+
+
+def _spo_compare_trackers(one: str, two: str) -> dict[int, bool]:
+    """Checks that the trackers of two SPO runs made the same per-prompt updates: at each
+    checkpoint, every prompt trained on with the same rewards in both has the same
+    (alpha, beta) (the drift D stays under the clip of rho in the smoke config), and where
+    both trained on the same prompts in the same order, the same metrics and sampler.
+    Returns, per step, whether they did."""
+    ref_visits, visits = _visits(one), _visits(two)
+    ref_metrics, metrics = _metrics(one), _metrics(two)
+    assert [m["step"] for m in ref_metrics] == [m["step"] for m in metrics] == [0, 1, 2, 3]
+    trained = {}
+    for step in (1, 2, 3):
+        ref_tracker, tracker = _host(one, step)["tracker"], _host(two, step)["tracker"]
+        rows = {t: i for i, t in enumerate(tracker["task_ids"])}
+        ref_rows = {t: i for i, t in enumerate(ref_tracker["task_ids"])}
+        assert set(rows) == set(visits[step - 1]) and set(ref_rows) == set(ref_visits[step - 1])
+        same = [t for t in rows if ref_visits[step - 1].get(t) == visits[step - 1][t]]
+        assert same, step
+        for t in same:
+            assert tracker["alpha"][rows[t]] == ref_tracker["alpha"][ref_rows[t]], (step, t)
+            assert tracker["beta"][rows[t]] == ref_tracker["beta"][ref_rows[t]], (step, t)
+        trained[step] = (_tb_text(one, "rollout/consumed", step)
+                         == _tb_text(two, "rollout/consumed", step)
+                         and (step == 1 or trained[step - 1]))
+        if trained[step]:
+            _spo_same_step(ref_metrics[step], metrics[step])
+            assert list(tracker["task_ids"]) == list(ref_tracker["task_ids"])
+            assert _host(two, step)["spo_sampler"] == _host(one, step)["spo_sampler"]
+    return trained
+
+
+def _tb_text(workdir: str, tag: str, step: int) -> str:
+    from test_async import _tb
+
+    return next(text for s, text in _tb(workdir, tag) if s == step)
+
+
+def _spo_same_step(ref: dict, got: dict) -> None:
+    """One step's rollout and SPO metrics of two runs that trained on the same prompts
+    in the same order; the loss and the drift D read the tokens a rollout spanning a
+    weight update sampled under the weights of the moment (timing), so agree closely."""
+    close = ("learner/loss", "spo/drift_mean")
+    for key in [k for k in ref if k.startswith(("rollout/reward", "spo/")) or k in close]:
+        tolerance = 5e-2 * abs(ref[key]) if key in close else 1e-9
+        assert abs(got[key] - ref[key]) <= tolerance, (ref["step"], key)
