@@ -26,13 +26,12 @@ HOST_STREAM = 1  # the second word of default_rng([seed, HOST_STREAM]): the algo
 
 
 def host_rng(seed: int) -> np.random.Generator:
-    """The algorithm's host-side generator (prefix sources, SPO's offline-start seeds)."""
+    """The algorithm's host-side generator (prefix sources, SPO's job seeds)."""
     return np.random.default_rng([seed, HOST_STREAM])
 
 
 def job_seed(step: int, index: int) -> int:
-    """The seed of job `index` of step `step` (GRPO + Prefix Sampling), or of chunk
-    `step` (SPO's prompts, GRPO's chunks ahead of the learner)."""
+    """The seed of job `index` of step `step` (GRPO + Prefix Sampling)."""
     return step * 100_003 + index
 
 

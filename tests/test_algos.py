@@ -142,19 +142,20 @@ def test_jobs_drawn_ahead_round_trip_and_an_older_checkpoint_draws_on_from_its_s
     checkpoint written before SPO kept them resumes drawing after its step's chunks; one
     with another process count's jobs is refused."""
     a = _algo(prior=(1.0, 1.0))
-    a._chunks, a._local = 2, a._draw(1) + a._draw(2)
+    a._chunks, a._local = 2, a._draw() + a._draw()
     state = json.loads(json.dumps({"step": 1, **a.state_dict()}, default=lambda x: x.tolist()))
     b = _algo(prior=(1.0, 1.0))
     b.load_state_dict({**state, "tracker": a.tracker.state_dict()})
-    assert b._chunks == 2 and b._local == []
+    assert b._chunks == 2 and b._local == [] and b._drawn == a._drawn
     assert [(j.task.instance_id, j.seed) for j in b._resumed] == [
         (j.task.instance_id, j.seed) for j in a._local]
+    assert b._order == a._order and sorted(a._order.values()) == list(range(a._drawn))
     del state["ahead"]
     b.load_state_dict({**state, "step": 5, "tracker": a.tracker.state_dict()})
-    assert b._chunks == 5 and b._resumed == []
+    assert b._chunks == 5 and b._resumed == [] and b._order == {}
     with pytest.raises(ValueError, match="resume it with as many"):
         b.load_state_dict({**state, "tracker": a.tracker.state_dict(),
-                           "ahead": {"chunks": 2, "jobs": [{}, {}]}})
+                           "ahead": {"chunks": 2, "drawn": 8, "order": [], "jobs": [{}, {}]}})
 
 
 def _grpo_config():
@@ -174,7 +175,7 @@ def test_offline_start_from_a_values_file(tmp_path, form):
         assert b.tolist() == pytest.approx([8 * 6.5 / 9, 8 * 4.5 / 5, 8 * 0.5 / 4])
     # unseen="skip" draws only prompts with an offline value (the official behaviour).
     skip = _algo(tmp_path, values, unseen="skip")
-    assert {j.task.instance_id for chunk in range(1, 11) for j in skip._draw(chunk)} <= {
+    assert {j.task.instance_id for _ in range(10) for j in skip._draw()} <= {
         "task0", "task1", "task2"}
 
 
@@ -260,5 +261,5 @@ def test_state_round_trip_continues_identically(tmp_path):
     _, adv_b, _ = _step(b, batch, 2)
     assert adv_a.tolist() == adv_b.tolist()
     assert a.tracker.values(POOL).tolist() == b.tracker.values(POOL).tolist()
-    assert [(j.task.instance_id, j.seed) for chunk in (1, 2) for j in a._draw(chunk)] == [
-        (j.task.instance_id, j.seed) for chunk in (1, 2) for j in b._draw(chunk)]
+    assert [(j.task.instance_id, j.seed) for _ in (1, 2) for j in a._draw()] == [
+        (j.task.instance_id, j.seed) for _ in (1, 2) for j in b._draw()]

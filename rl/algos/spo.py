@@ -16,11 +16,12 @@ prompt with the initial policy, through the same stream collector, or
 (alpha0, beta0) in `spo.init_form` (rl.tracker.offline_prior). Without one, every prompt
 starts at `spo.prior`.
 
-Prompts are drawn in chunks of `batch_tasks` (seeds rl.seeds.job_seed(chunk, i)) at fixed
-points: step s draws until s + ceil(in_flight / batch_tasks) chunks are out, with the
-tracker's weights after step s - 1 (the points where the stream, drawing as rollouts
-finish, would need them). Over several processes every process draws every chunk alike
-(the sampler and tracker are replicated) and runs its share of each (rl.distributed);
+Prompts are drawn in chunks of `batch_tasks` at fixed points: step s draws until
+s + ceil(in_flight / batch_tasks) chunks are out, with the tracker's weights after step
+s - 1 and seeds from the host generator, as a stream drawing a chunk whenever its queue
+runs out would (in one process the two give the same prompts and seeds). Over several
+processes every process draws every chunk alike (the sampler, tracker and generator are
+replicated) and runs its share of each (rl.distributed);
 a step takes each process's first finished share of the batch and gathers them, so
 every process trains on, and updates the tracker from, the same batch. Jobs drawn and
 not yet trained on are checkpointed, each process re-running its own on resume.
@@ -38,7 +39,6 @@ import numpy as np
 from rl import distributed, seeds
 from rl.algos.base import AlgoConfig, Algorithm, Context, Progress
 from rl.rollout import RolloutJob, StreamCollector, decode_jobs, encode_jobs
-from rl.seeds import job_seed
 from rl.tracker import (
     BetaTracker,
     PrioritizedSampler,
@@ -77,7 +77,9 @@ class SPO(Algorithm):
         self.pool_ids = ids[:self.cfg.pool_size] if self.cfg.pool_size else ids
         self.started = not (self.cfg.init_samples or self.cfg.init_values)
         self._collector: StreamCollector | None = None
-        self._chunks = 0  # chunks of prompts drawn (their seeds)
+        self._chunks = 0  # chunks of prompts drawn
+        self._drawn = 0  # jobs drawn (by every process alike)
+        self._order: dict[tuple[str, int], int] = {}  # (task id, seed) -> place in the draw
         self._local: list[RolloutJob] = []  # this process's share of them, not yet started
         self._resumed: list[RolloutJob] = []  # a resumed run's unfinished jobs
         # the step's scored batch, for after_update: (task ids, rewards, drift windows)
@@ -144,13 +146,16 @@ class SPO(Algorithm):
                              "has an offline value (spo.init_samples or spo.init_values)")
         return pool
 
-    def _draw(self, chunk: int) -> list[RolloutJob]:
-        """Chunk `chunk`'s prompts, drawn alike on every process by the tracker's weights
-        now (seeds job_seed(chunk, i)); this process's share of them."""
+    def _draw(self) -> list[RolloutJob]:
+        """The next chunk of prompts and seeds, drawn alike on every process (the
+        tracker's weights now, the replicated generators); this process's share of it."""
         pool = self._pool()
         ids = self.sampler.sample(pool, min(self.run_cfg.batch_tasks, len(pool)))
-        return [RolloutJob(self.task_by_id[ids[i]], seed=job_seed(chunk, i))
-                for i in distributed.share(len(ids))]
+        jobs = [RolloutJob(self.task_by_id[t], seed=int(self.rng.integers(1 << 30))) for t in ids]
+        for job in jobs:
+            self._order[(job.task.instance_id, job.seed)] = self._drawn
+            self._drawn += 1
+        return [jobs[i] for i in distributed.share(len(jobs))]
 
     def _next_job(self) -> RolloutJob | None:
         return self._local.pop(0) if self._local else None
@@ -159,7 +164,7 @@ class SPO(Algorithm):
         batch = self.run_cfg.batch_tasks
         while self._chunks < step + -(-self.cfg.in_flight // batch):
             self._chunks += 1
-            self._local += self._draw(self._chunks)
+            self._local += self._draw()
         if self._collector is None:
             self._collector = StreamCollector(
                 self.agent, self._next_job, len(distributed.share(self.cfg.in_flight)),
@@ -170,8 +175,9 @@ class SPO(Algorithm):
             self._resumed = []
         mine = await self._collector.collect(len(distributed.share(batch)), progress,
                                              version=self.agent.policy_version)
-        # Draw order (the seeds'), whichever process ran a rollout and when it finished.
-        return sorted(await distributed.gather_lists(mine), key=lambda g: g[0].seed)
+        # Draw order, whichever process ran a rollout and when it finished.
+        groups = await distributed.gather_lists(mine)
+        return sorted(groups, key=lambda g: self._order.pop((g[0].task_id, g[0].seed)))
 
     # ------------------------------------------------------------ the tracker
 
@@ -230,9 +236,11 @@ class SPO(Algorithm):
         pending = self._collector.pending() if self._collector else self._resumed
         return {"tracker": self.tracker.state_dict(), "spo_sampler": self.sampler.state_dict(),
                 "np_rng": self.rng.bit_generator.state, "started": self.started,
-                # every process's jobs not yet trained on (a collective)
-                "ahead": {"chunks": self._chunks, "jobs": distributed.allgather_objects(
-                    encode_jobs([*pending, *self._local]))}}
+                # every process's jobs not yet trained on (a collective), and their places
+                "ahead": {"chunks": self._chunks, "drawn": self._drawn,
+                          "order": [[t, s, i] for (t, s), i in self._order.items()],
+                          "jobs": distributed.allgather_objects(
+                              encode_jobs([*pending, *self._local]))}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if "tracker" not in state:
@@ -251,16 +259,17 @@ class SPO(Algorithm):
 
     def _load_ahead(self, state: Mapping[str, Any]) -> None:
         """This process's jobs in flight at the checkpoint, to run again first."""
-        self._local = []
+        self._local, self._resumed, self._order = [], [], {}
         if "ahead" not in state:  # a checkpoint that kept none: draw on from its step
-            self._chunks, self._resumed = int(state.get("step", 0)), []
+            self._chunks, self._drawn = int(state.get("step", 0)), 0
             return
         jobs = state["ahead"]["jobs"]
         if len(jobs) != distributed.process_count():
             raise ValueError(f"the checkpoint holds the jobs in flight of {len(jobs)} "
                              f"processes; resume it with as many (this run has "
                              f"{distributed.process_count()})")
-        self._chunks = int(state["ahead"]["chunks"])
+        self._chunks, self._drawn = int(state["ahead"]["chunks"]), int(state["ahead"]["drawn"])
+        self._order = {(t, int(s)): int(i) for t, s, i in state["ahead"]["order"]}
         self._resumed = decode_jobs(jobs[distributed.process_index()], self.task_by_id)
 
     async def close(self) -> None:
