@@ -322,7 +322,7 @@ def test_spo_two_processes_match_one_and_resume_after_kill(tmp_path):
     flight at the end, and the tracker makes the same per-prompt updates as one process's."""
     from test_async import _tb
 
-    from rl.seeds import job_seed
+    from rl.seeds import host_rng
 
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     reference = _spawn([sys.executable, *SPO_SMOKE, "--workdir", one], 0, 8, one)
@@ -346,19 +346,22 @@ def test_spo_two_processes_match_one_and_resume_after_kill(tmp_path):
         assert [_logged_digests(err, f"host state at step {s}:") for s in (2, 3)] == [
             [saved[2]], [saved[3]]]
 
-    # No prompt trained twice or lost: every job drawn (chunks of 4, seeds
-    # job_seed(chunk, i)) is trained on by exactly one step, or still in flight in the
-    # last checkpoint; those in flight at step 1 ran again after the kill.
+    # No prompt trained twice or lost: every job drawn (chunks of 4, seeds from the host
+    # generator in draw order) is trained on by exactly one step, or still in flight in
+    # the last checkpoint, at its place in the draw; those in flight at step 1 ran again
+    # after the kill.
     consumed = [text.split() for _, text in _tb(two, "rollout/consumed")]
     assert [s for s, _ in _tb(two, "rollout/consumed")] == [1, 2, 3]
     seeds = [int(item.rsplit(":", 1)[1]) for step in consumed for item in step]
     ahead = _host(two, 3)["ahead"]
     assert len(ahead["jobs"]) == 2 and int(ahead["chunks"]) == 4
     pending = [int(s) for host in ahead["jobs"] for s in host["seeds"]]
-    drawn = [job_seed(c, i) for c in range(1, 5) for i in range(4)]
-    assert sorted(seeds + pending) == drawn and len(seeds) == 3 * 4
+    rng = host_rng(0)
+    drawn = [int(rng.integers(1 << 30)) for _ in range(4 * 4)]
+    assert sorted(seeds + pending) == sorted(drawn) and len(seeds) == 3 * 4
+    assert {int(s): i for _, s, i in ahead["order"]} == {s: drawn.index(s) for s in pending}
     in_flight_at_1 = [int(s) for host in _host(two, 1)["ahead"]["jobs"] for s in host["seeds"]]
-    assert sorted(in_flight_at_1 + seeds[:4]) == drawn[:8]
+    assert sorted(in_flight_at_1 + seeds[:4]) == sorted(drawn[:8])
     assert set(in_flight_at_1) & set(seeds[4:])
 
     # Against one process: the same tracker updates (below), and the same stored

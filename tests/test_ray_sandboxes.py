@@ -23,7 +23,7 @@ from sandbox_backends import ensure_image
 
 from env.episode import Episode
 from env.miniswe import expert_demo, generate_tasks
-from env.sandbox import SandboxError
+from env.sandbox import SandboxError, SandboxFactory
 from env.sandbox.cluster import SLOT, RayFactory
 from env.sandbox.docker import OWNER_LABEL, docker_host, owner_identity
 
@@ -125,6 +125,13 @@ def test_local_backend_over_the_nodes(cluster):
         assert sandboxes[1].run("python3 -c 'import a; print(a.x)'").output == "1\n"
         for sandbox in sandboxes:
             sandbox.close()
+        # Sandboxes made without a total memory bound are counted on their nodes and
+        # reported by the trainer's factory, as this machine's own factory counts them.
+        direct = SandboxFactory("local")
+        for _ in range(len(sandboxes)):
+            direct.create(repo_files=FILES).close()
+        assert factory.metrics()["env/no_memory_cgroup"] == direct.metrics()[
+            "env/no_memory_cgroup"]
     finally:
         factory.close()
 

@@ -72,6 +72,9 @@ class SandboxHost:
             return []
         return sorted(docker.container_owners(docker.connect()))
 
+    def metrics(self) -> dict[str, float]:
+        return self.factory.metrics()
+
     def remove_owned(self, owners: list[str]) -> int:
         return docker.remove_owned(docker.connect(), owners)
 
@@ -239,7 +242,22 @@ class RayFactory(SandboxFactory):
         return {"env/nodes": float(len(nodes)),
                 "env/slots": float(sum(n["Resources"][SLOT] for n in nodes)),
                 "env/slots_free": float(ray.available_resources().get(SLOT, 0.0)),
-                "env/live": float(live)}
+                "env/live": float(live), **self._host_metrics()}
+
+    def _host_metrics(self) -> dict[str, float]:
+        """The node factories' own counters (local sandboxes made without a memory bound),
+        summed over the hosts that answer."""
+        with self._lock:
+            hosts = list(self._hosts.items())
+        total: dict[str, float] = {}
+        for node, host in hosts:
+            try:
+                m = _ray_call(host.metrics.remote(), f"metrics of node {node[:12]}", timeout=30)
+            except base.SandboxError:
+                continue  # a lost node: its episodes are env errors already
+            for key, value in m.items():
+                total[key] = total.get(key, 0.0) + value
+        return total
 
     def close(self) -> None:
         """Closes this factory's sandboxes and containers on every node that answers."""
