@@ -11,7 +11,8 @@ is fed (not generated) at the start of the next observation.
 
 Budgets, each ending the trajectory with its status:
   max_steps (Episode) -> "max_steps"; generated tokens or context length -> "truncated";
-  wall-clock -> "timeout"; sandbox failure, or any other exception out of one
+  wall-clock -> "timeout" ("env_error" when it ends before the policy's first turn: the
+  engine's delay, not the task's outcome); sandbox failure, or any other exception out of one
   rollout -> "env_error" (never scored, the exception in `error`; never fails the
   collection).
 Every trajectory that is not env_error is graded by the task's tests at the end: by
@@ -342,6 +343,10 @@ class Agent:
                                                 deadline - time.monotonic())
             except TimeoutError:
                 traj.status = "timeout"
+                if all(t.replayed for t in traj.turns):  # the policy never got a turn
+                    traj.status, traj.error = "env_error", (
+                        f"{ENGINE_ERROR}no turn sampled within rollout.wall_timeout_s "
+                        f"({cfg.wall_timeout_s:g} s)")
                 return
             except ContextLengthError:  # the engine's context is shorter than max_context
                 traj.status = "truncated"

@@ -160,6 +160,35 @@ def test_token_budget_ends_in_truncated(model, tokenizer, factory):
     assert traj.reward is not None  # graded all the same
 
 
+class SlowEngine(RecordingEngine):
+    """A real engine whose n-th call waits `delays[n]` seconds first."""
+
+    def __init__(self, inner: Engine, delays: list[float]):
+        super().__init__(inner)
+        self.delays = delays
+
+    async def generate(self, requests):
+        await asyncio.sleep(self.delays[min(len(self.prompts), len(self.delays) - 1)])
+        return await super().generate(requests)
+
+
+@pytest.mark.parametrize("delays,status", [((600.0,), "env_error"), ((0.0, 600.0), "timeout")])
+def test_wall_timeout_before_the_first_turn_is_an_env_error(model, tokenizer, factory,
+                                                             delays, status):
+    """A rollout whose engine answers nothing within wall_timeout_s has no turn of the
+    policy to grade or train on: an env error (never scored); one that times out after a
+    turn is graded as a timeout."""
+    agent = make_agent(model, tokenizer, factory, max_steps=2, wall_timeout_s=10.0)
+    asyncio.run(agent.run(RolloutJob(TASKS[2], seed=1)))  # its shapes compiled first
+    agent.engine = SlowEngine(agent.engine.inner, list(delays))
+    traj = asyncio.run(agent.run(RolloutJob(TASKS[2], seed=1)))
+    assert traj.status == status and len(traj.turns) == len(delays) - 1
+    if status == "env_error":
+        assert traj.reward is None and "no turn sampled within" in traj.error
+    else:
+        assert traj.reward is not None
+
+
 def test_sandbox_failure_is_env_error_not_reward_zero(model, tokenizer):
     class Broken(sandbox.SandboxFactory):
         def __call__(self, task):
