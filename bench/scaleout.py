@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -194,6 +195,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--parts", default="sandboxes,serving")
     args = parser.parse_args()
+    # SIGTERM unwinds as an exception does: the servers and the Ray cluster started here go.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     result: dict = {"cpus": os.cpu_count(), "load": {"before": os.getloadavg()}}
     if "serving" in args.parts:
         print("serving", file=sys.stderr)
