@@ -23,6 +23,11 @@ layout: timings do not depend on the weights' values.
                             clipping) against tunix's Qwen3, selective_log_softmax and its
                             GRPO per-token loss (beta 0, one iteration) under the same
                             optax chain, jitted as one step
+  decode_b1, _b8, _b32      greedy generation of 64 tokens after a 32-token prompt for
+                            B requests, prefill included: the embedded engine
+                            (inference.embedded, bench.engine's options, no log-probs)
+                            against tunix's generate.Sampler (one jitted prefill and
+                            decode loop, a 96-position cache)
 Prints one JSON object: each measurement's ratio, the seconds of every process, and the
 1-minute load average when the run started and before each measurement.
 """
@@ -30,6 +35,7 @@ Prints one JSON object: each measurement's ratio, the seconds of every process, 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -45,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = dict(vocab=32768, d=256, layers=2, heads=4, kv_heads=2, head_dim=64, mlp=768)
 LOGPROB_SHAPE = dict(n=4096, d=512, v=32768)
 BATCH_ROWS = 4
+DECODE = dict(prompt_len=32, new_tokens=64)
 
 
 def _log(msg: str) -> None:
@@ -117,23 +124,40 @@ def _train_batch(row_len: int):
     return tokens, mask, rng.normal(size=BATCH_ROWS).astype(np.float32)
 
 
-def _project_train_step(row_len: int):
-    import numpy as np
+def _project_model():
     from flax import nnx
 
-    from configs import common
     from models.qwen3 import Qwen3, Qwen3Config
-    from rl import learner
-    from rl.batch import pack_arrays
 
     m = MODEL
     cfg = Qwen3Config(vocab_size=m["vocab"], hidden_size=m["d"], intermediate_size=m["mlp"],
                       num_layers=m["layers"], num_heads=m["heads"],
                       num_kv_heads=m["kv_heads"], head_dim=m["head_dim"],
-                      rope_theta=10_000.0, max_position_embeddings=max(4096, row_len),
+                      rope_theta=10_000.0, max_position_embeddings=4096,
                       tie_word_embeddings=False)
+    return Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+def _tunix_model():
+    from flax import nnx
+    from tunix.models.qwen3 import model as qwen3
+
+    m = MODEL
+    cfg = qwen3.ModelConfig(num_layers=m["layers"], vocab_size=m["vocab"], embed_dim=m["d"],
+                            hidden_dim=m["mlp"], num_heads=m["heads"], head_dim=m["head_dim"],
+                            num_kv_heads=m["kv_heads"], rope_theta=10_000, norm_eps=1e-6)
+    return qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
+
+
+def _project_train_step(row_len: int):
+    import numpy as np
+
+    from configs import common
+    from rl import learner
+    from rl.batch import pack_arrays
+
     lcfg = common.learner_defaults()
-    graphdef, state = learner.init_train_state(Qwen3(cfg, rngs=nnx.Rngs(0)), lcfg)
+    graphdef, state = learner.init_train_state(_project_model(), lcfg)
     step = learner.make_train_step(graphdef, lcfg)
     tokens, mask, adv = _train_batch(row_len)
     seqs = [(t, mk, np.where(mk == 1, -1.0, 0.0).astype(np.float32))
@@ -153,17 +177,12 @@ def _tunix_train_step(row_len: int):
     import jax.numpy as jnp
     import optax
     from flax import nnx
-    from tunix.models.qwen3 import model as qwen3
     from tunix.rl.common import selective_log_softmax
 
     from configs import common
     from rl.learner import make_optimizer
 
-    m = MODEL
-    cfg = qwen3.ModelConfig(num_layers=m["layers"], vocab_size=m["vocab"], embed_dim=m["d"],
-                            hidden_dim=m["mlp"], num_heads=m["heads"], head_dim=m["head_dim"],
-                            num_kv_heads=m["kv_heads"], rope_theta=10_000, norm_eps=1e-6)
-    graphdef, params = nnx.split(qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(_tunix_model())
     optimizer = make_optimizer(common.learner_defaults())  # the same optax chain
     opt_state = optimizer.init(params)
     tokens, mask, adv = _train_batch(row_len)
@@ -202,11 +221,66 @@ def train_seconds(side: str, row_len: int, calls: int) -> float:
     return _best_seconds(run, args, calls)
 
 
+class _IdTokenizer:
+    """Token ids written as decimal text: what tunix's Sampler needs of a tokenizer (ids
+    go in and come out unchanged; 0 is padding, no BOS)."""
+
+    encode = staticmethod(lambda text: [int(t) for t in text.split()])
+    decode = staticmethod(lambda ids: " ".join(map(str, ids)))
+    bos_id = staticmethod(lambda: 0)
+    eos_id = staticmethod(lambda: 0)
+    pad_id = staticmethod(lambda: 0)
+
+
+def _decode_prompts(batch: int):
+    import numpy as np
+
+    rng = np.random.default_rng(0)  # ids from 1: tunix's sampler reads 0 as padding
+    return rng.integers(1, MODEL["vocab"], (batch, DECODE["prompt_len"]))
+
+
+def _project_decode(batch: int):
+    import asyncio
+
+    from bench.engine import options
+    from inference.embedded import EmbeddedEngine
+    from inference.engine import GenerateRequest
+
+    engine = EmbeddedEngine(_project_model(), options(batch, sum(DECODE.values())), seed=0)
+    loop = asyncio.new_event_loop()
+    requests = [GenerateRequest(p.tolist(), DECODE["new_tokens"], temperature=0.0,
+                                return_logprob=False) for p in _decode_prompts(batch)]
+    run = lambda: [r.output_ids for r in loop.run_until_complete(engine.generate(requests))]
+    return run, ()
+
+
+def _tunix_decode(batch: int):
+    from tunix.generate import sampler as tunix_sampler
+
+    m = MODEL
+    cache = tunix_sampler.CacheConfig(cache_size=sum(DECODE.values()), num_layers=m["layers"],
+                                      num_kv_heads=m["kv_heads"], head_dim=m["head_dim"])
+    sampler = tunix_sampler.Sampler(_tunix_model(), _IdTokenizer(), cache)
+    prompts = [" ".join(map(str, p)) for p in _decode_prompts(batch)]
+    # eos -1 never matches: every row runs all new_tokens steps, as the project's does.
+    run = lambda: sampler(prompts, DECODE["new_tokens"], max_prompt_length=DECODE["prompt_len"],
+                          temperature=0.0, eos_tokens=[-1]).tokens
+    return run, ()
+
+
+def decode_seconds(side: str, batch: int, calls: int) -> float:
+    make = _project_decode if side == "project" else _tunix_decode
+    run, args = make(batch)
+    return _best_seconds(run, args, calls)
+
+
 MEASUREMENTS = {
     "logprob": lambda side, calls: logprob_seconds(side, False, calls),
     "logprob_masked": lambda side, calls: logprob_seconds(side, True, calls),
     "train_t512": lambda side, calls: train_seconds(side, 512, calls),
     "train_t2048": lambda side, calls: train_seconds(side, 2048, calls),
+    **{f"decode_b{b}": functools.partial(lambda side, calls, b: decode_seconds(side, b, calls),
+                                          b=b) for b in (1, 8, 32)},
 }
 
 
