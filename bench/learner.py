@@ -11,6 +11,9 @@ Prints one JSON object:
                        n tokens (causal half of PaLM's 12 L H Q T^2)
   dot_flops_per_s      FLOP/s of one jnp.dot [M, K] @ [K, N] in the model's dtype
   matmul_fraction      model_flops_per_s / dot_flops_per_s
+  matmul_fraction_cpu  the same from process CPU seconds (the step's and the dot's), which
+                       a machine shared with other work disturbs less than wall time;
+                       load_average: the 1-minute load when the run ended
   real_token_fraction  non-padding share when packing an agent-like long tail
                        (lognormal lengths clipped to 200..8000 tokens) into the buckets
   batch_real_token_fraction  the same share for the timed batch
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 
@@ -82,17 +86,19 @@ def model_flops(cfg, segment_lengths) -> float:
     return dense + attention
 
 
-def dot_flops_per_s(size: int, dtype, repeats: int = 5) -> float:
+def dot_flops_per_s(size: int, dtype, repeats: int = 5) -> tuple[float, float]:
+    """FLOP per second of wall time and per second of process CPU time (best of each)."""
     a = jnp.ones((size, size), dtype)
     b = jnp.ones((size, size), dtype)
     dot = jax.jit(jnp.dot)
     jax.block_until_ready(dot(a, b))
-    best = float("inf")
+    best_wall = best_cpu = float("inf")
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         jax.block_until_ready(dot(a, b))
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size ** 3 / best
+        best_wall = min(best_wall, time.perf_counter() - start)
+        best_cpu = min(best_cpu, time.process_time() - start_cpu)
+    return 2.0 * size ** 3 / best_wall, 2.0 * size ** 3 / best_cpu
 
 
 def packed_attention_flops_ratio(row_len: int = 2048, segments: int = 4,
@@ -105,8 +111,9 @@ def packed_attention_flops_ratio(row_len: int = 2048, segments: int = 4,
     return pairs(seg) / pairs(ones)
 
 
-def time_steps(model_cfg, cfg, batch, steps: int) -> tuple[float, float]:
-    """(seconds per train step after the first, last loss) of a fresh train state."""
+def time_steps(model_cfg, cfg, batch, steps: int) -> tuple[float, float, float]:
+    """(wall seconds per train step after the first, process CPU seconds per step, last
+    loss) of a fresh train state."""
     graphdef, state = learner.init_train_state(Qwen3(model_cfg, rngs=nnx.Rngs(0)), cfg)
     train_step = learner.make_train_step(graphdef, cfg)
     start = time.perf_counter()
@@ -114,11 +121,12 @@ def time_steps(model_cfg, cfg, batch, steps: int) -> tuple[float, float]:
     jax.block_until_ready(metrics)
     _log(f"attention={model_cfg.attention}: compile + first step "
          f"{time.perf_counter() - start:.1f}s")
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         state, metrics = train_step(state, batch)
     jax.block_until_ready((state, metrics))
-    return (time.perf_counter() - start) / steps, float(metrics["loss"])
+    return ((time.perf_counter() - start) / steps, (time.process_time() - start_cpu) / steps,
+            float(metrics["loss"]))
 
 
 def main(argv=None) -> None:
@@ -161,22 +169,25 @@ def main(argv=None) -> None:
     _log(f"timed batch: {batch.shape}, {len(chosen)} trajectories, "
          f"real {info.real_token_fraction:.3f}")
 
-    seconds, loss = time_steps(model_cfg, cfg, batch, args.steps)
+    seconds, cpu_seconds, loss = time_steps(model_cfg, cfg, batch, args.steps)
     dense_s = None
     if not args.no_dense:
         dense_cfg = dataclasses.replace(model_cfg, attention="reference")
-        dense_s, _ = time_steps(dense_cfg, cfg, batch, args.steps)
+        dense_s, _, _ = time_steps(dense_cfg, cfg, batch, args.steps)
 
     tokens_per_s = info.real_tokens / seconds
-    flops_per_s = model_flops(model_cfg, [n for _, _, n in info.placements]) / seconds
+    flops = model_flops(model_cfg, [n for _, _, n in info.placements])
+    flops_per_s = flops / seconds
     dot_size = args.dot_size or (1024 if jax.default_backend() == "cpu" else 8192)
-    dot = dot_flops_per_s(dot_size, jnp.dtype(model_cfg.dtype))
+    dot, dot_cpu = dot_flops_per_s(dot_size, jnp.dtype(model_cfg.dtype))
     print(json.dumps({
         "model": args.model, "backend": jax.default_backend(),
         "batch_shape": list(batch.shape), "step_s": seconds,
         "tokens_per_s": tokens_per_s,
         "model_flops_per_s": flops_per_s, "dot_flops_per_s": dot,
         "matmul_fraction": flops_per_s / dot,
+        "step_cpu_s": cpu_seconds, "matmul_fraction_cpu": flops / cpu_seconds / dot_cpu,
+        "load_average": os.getloadavg()[0],
         "real_token_fraction": tail_info.real_token_fraction,
         "tail_rows": tail_info.num_rows, "tail_row_len": tail_info.row_len,
         "batch_real_token_fraction": info.real_token_fraction,

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax import lax
 
 from kernels.attention import attention
 from models.sharding import constrain_rows
@@ -255,6 +256,36 @@ def _init(rngs: nnx.Rngs, shape, dtype, std=0.02):
     return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * std)
 
 
+@jax.custom_vjp
+def linear(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """x [..., in] @ kernel [in, out], whose kernel gradient reads x transposed.
+
+    Autodiff's kernel gradient contracts x and dy over their leading (token) axes; XLA:CPU
+    then fuses x's producer (silu(gate) * up, a norm) into a transposing copy that reads
+    it column-wise, or runs the dot at about half speed. Transposing x first gives the
+    same gradients up to float rounding (the dot library may sum in another order: at
+    most 6e-7 relative in tests/test_qwen3.py) and takes a fifth to a third off an MLP
+    layer's forward + backward on CPU (tiny preset: 140 -> 99 ms of CPU at 4096 tokens;
+    d 256, MLP 768: 208 -> 149 ms at 2048). Other backends fold the transpose back
+    into the dot.
+    """
+    return jnp.dot(x, kernel)
+
+
+def _linear_fwd(x, kernel):
+    return jnp.dot(x, kernel), (x, kernel)
+
+
+def _linear_bwd(residuals, dy):
+    x, kernel = residuals
+    dx = lax.dot_general(dy, kernel, (((dy.ndim - 1,), (1,)), ((), ())))
+    rows = lambda a: a.reshape(-1, a.shape[-1])
+    return dx, jnp.dot(rows(x).T, rows(dy))
+
+
+linear.defvjp(_linear_fwd, _linear_bwd)
+
+
 class Linear(nnx.Module):
     """y = x @ kernel, kernel [in, out] stored in param_dtype, applied in compute dtype."""
 
@@ -263,7 +294,7 @@ class Linear(nnx.Module):
         self.dtype = jnp.dtype(cfg.dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        return linear(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
 
 
 def project(x: jax.Array, linears: Sequence[Linear]) -> list[jax.Array]:

@@ -111,6 +111,23 @@ def test_remat_gives_same_loss_and_grads(model):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_linear_gradients_are_autodiffs(dtype):
+    """qwen3.linear's own VJP (x transposed for the kernel gradient) gives autodiff's
+    gradients of x @ kernel, for [B, T, in] inputs, in their dtypes, up to the rounding
+    of a dot that sums in another order."""
+    keys = jax.random.split(jax.random.PRNGKey(3), 3)
+    x = jax.random.normal(keys[0], (2, 5, 8)).astype(dtype)
+    kernel = jax.random.normal(keys[1], (8, 6)).astype(dtype)
+    g = jax.random.normal(keys[2], (2, 5, 6)).astype(dtype)
+    ours = jax.vjp(qwen3.linear, x, kernel)[1](g)
+    autodiff = jax.vjp(jnp.dot, x, kernel)[1](g)
+    for a, b in zip(ours, autodiff, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                   rtol=1e-6 if dtype == "float32" else 1e-2, atol=1e-6)
+
+
 def test_remat_group_is_the_divisor_nearest_sqrt_layers():
     assert [remat_group(n) for n in (36, 40, 64, 28, 6, 7)] == [6, 5, 8, 4, 2, 1]
 

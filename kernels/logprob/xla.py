@@ -16,7 +16,6 @@ from jax import lax
 from kernels.logprob.rows import RowCompaction, RowGrads
 
 F32 = jnp.float32
-_CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # a[R, x], b[R, y] -> [x, y]
 _CONTRACT_COLS = (((1,), (1,)), ((), ()))  # a[x, C], b[y, C] -> [x, y]
 
 
@@ -43,6 +42,17 @@ def row_loop(body, carry, num_blocks: jax.Array, row_block: int):
 def logits(h_rows: jax.Array, w_cols: jax.Array, inv_t: float) -> jax.Array:
     """z = h @ w * inv_t with float32 accumulation: [R, d], [d, C] -> [R, C]."""
     return jnp.dot(h_rows, w_cols, preferred_element_type=F32) * inv_t
+
+
+def weight_grad(h_t: jax.Array, r0, row_block: int, dz: jax.Array) -> jax.Array:
+    """h[r0:r0+row_block].T @ dz, float32, from h_t = h.T [d, N_pad] and dz[row_block, C].
+
+    The transposed copy is made once per pass: a dot contracting both operands' leading
+    (row) axis instead takes CPU dots about twice as long (3.9 s against 1.9 s of CPU at
+    [4096, 512] x [4096, 32768]).
+    """
+    h_rows_t = lax.dynamic_slice_in_dim(h_t, r0, row_block, axis=1)
+    return jnp.dot(h_rows_t, dz, preferred_element_type=F32)
 
 
 def merge_stats(m, s, a, z):
@@ -130,6 +140,7 @@ class XlaEngine:
         stats, or None to recompute them."""
         kept, vectors = terms.kept, terms._replace(kept=None)
         mm_dtype = jnp.promote_types(h_c.dtype, w.dtype)
+        h_t = h_c.T
 
         def vocab_body(carry, start, width):
             dh_c, dw = carry
@@ -146,7 +157,7 @@ class XlaEngine:
                 dz = dz.astype(mm_dtype)
                 dh_i = lax.dot_general(dz, w_j, _CONTRACT_COLS, preferred_element_type=F32)
                 dh_c = lax.dynamic_update_slice_in_dim(dh_c, row(dh_c) + dh_i, r0, 0)
-                dw_j = dw_j + lax.dot_general(h_i, dz, _CONTRACT_ROWS, preferred_element_type=F32)
+                dw_j = dw_j + weight_grad(h_t, r0, row_block, dz)
                 return dh_c, dw_j
 
             dw_j = jnp.zeros((w.shape[0], width), F32)
