@@ -196,6 +196,24 @@ def first_calls(root: str, seed: int, arm: str, step: int) -> dict | None:
     return {"first_call": dict(counts), "passed": dict(passed)}
 
 
+def figure(setting: Setting, root: str, seeds: Sequence[int], arm: str, out_dir: str) -> str:
+    """The fresh pass rate per step of `arm` and lr 0 (mean and SD over seeds), as
+    `gate_<record>.png` in `out_dir`; returns its file name."""
+    from bench.plot import arm_label, band_plot
+
+    series = {}
+    for name, label in ((arm, f"GRPO {arm}"), ("lr0", "lr 0")):
+        curves = [_curve(root, s, name) for s in seeds]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        values = np.array([[c[x] for x in steps] for c in curves]).reshape(len(seeds), -1)
+        series[arm_label(label, len(seeds))] = (
+            steps, values.mean(axis=0), values.std(axis=0))
+    path = os.path.join(out_dir, f"gate_{setting.record}.png")
+    band_plot(path, f"{setting.option}: fresh pass rate, GRPO against lr 0", "RL step",
+              KEY, series)
+    return os.path.basename(path)
+
+
 def report(setting: Setting, root: str, seeds: Sequence[int], name: str, note: str,
            out: str, arm: str) -> dict:
     """The try's record (`arm` against lr0, appended to the setting's tries in `out`) and
@@ -213,6 +231,7 @@ def report(setting: Setting, root: str, seeds: Sequence[int], name: str, note: s
                          if k not in ("rows",)}, "taxonomy": warm.get("taxonomy"),
               "gate_pass": passes(per_seed, warm.get("histogram"), warm.get("prefix")),
               "load": sc.load_note()}
+    record["figure"] = figure(setting, root, seeds, arm, os.path.dirname(out))
     gate = sc._read_json(out)
     criteria = {**CRITERIA, **sc.GATE, "difficulty": setting.difficulty}
     section = gate.setdefault(setting.record, {"criteria": criteria, "tries": []})
