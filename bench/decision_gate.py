@@ -26,6 +26,11 @@ budget, half of the demonstrations exploring before they edit (the edit is their
 call), so that how to work is a decision the reward tells apart. Its GRPO arm is
 `grpo_lr2e4`, the rate the decision family's second try used (5e-5 left its rollouts
 as lr 0's at first).
+
+The third, `budget0` (record "budget0", registered before any of its runs, same criteria
+and arms): the same budget over difficulty 0, whose statement names the file, so that
+the direct way (view, edit, test) is one the policy can carry out; three of four
+demonstrations explore first. Its warm start is measured on difficulty-0 tasks.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ class Setting:
     option: str
     record: str
     arm: str
+    difficulty: int  # the mini-SWE difficulty of its tasks (the warm start's measure)
 
     @property
     def root(self) -> str:
@@ -74,10 +80,11 @@ class Setting:
 # collapse), added after the first try's rollouts were seen to match lr 0's at first.
 SETS = {"grpo": ["batch_tasks=8"], "grpo_lr2e4": ["batch_tasks=8", "learner.optim.lr=2e-4"],
         "lr0": ["batch_tasks=8", "learner.optim.lr=0.0"]}
-SETTINGS = {"decide": Setting("decide", "decision", "grpo"),
-            "budget": Setting("budget", "budget", "grpo_lr2e4")}
+SETTINGS = {"decide": Setting("decide", "decision", "grpo", 4),
+            "budget": Setting("budget", "budget", "grpo_lr2e4", 4),
+            "budget0": Setting("budget0", "budget0", "grpo_lr2e4", 0)}
 CRITERIA = dict(seeds=2, steps=24, tasks_per_step=8, group_size=8, window=(13, 24),
-                min_diff=0.05, ci=0.95, n_boot=2000, difficulty=4)
+                min_diff=0.05, ci=0.95, n_boot=2000)
 KEY = "rollout/fresh_pass_rate"
 
 
@@ -124,7 +131,7 @@ def measure(setting: Setting, root: str, seed: int, prefix_rollouts: int = 8) ->
     agent, train_tasks = sc.load_agent(_config(setting, seed), workdir)
     try:
         out = asyncio.run(sc.measure_warm_start(agent, train_tasks, np.random.default_rng(
-            [seed, 7]), prefix_rollouts, difficulty=CRITERIA["difficulty"]))
+            [seed, 7]), prefix_rollouts, difficulty=setting.difficulty))
     finally:
         agent.close()
         agent.engine.close()
@@ -189,6 +196,24 @@ def first_calls(root: str, seed: int, arm: str, step: int) -> dict | None:
     return {"first_call": dict(counts), "passed": dict(passed)}
 
 
+def figure(setting: Setting, root: str, seeds: Sequence[int], arm: str, out_dir: str) -> str:
+    """The fresh pass rate per step of `arm` and lr 0 (mean and SD over seeds), as
+    `gate_<record>.png` in `out_dir`; returns its file name."""
+    from bench.plot import arm_label, band_plot
+
+    series = {}
+    for name, label in ((arm, f"GRPO {arm}"), ("lr0", "lr 0")):
+        curves = [_curve(root, s, name) for s in seeds]
+        steps = sorted(set.intersection(*(set(c) for c in curves)))
+        values = np.array([[c[x] for x in steps] for c in curves]).reshape(len(seeds), -1)
+        series[arm_label(label, len(seeds))] = (
+            steps, values.mean(axis=0), values.std(axis=0))
+    path = os.path.join(out_dir, f"gate_{setting.record}.png")
+    band_plot(path, f"{setting.option}: fresh pass rate, GRPO against lr 0", "RL step",
+              KEY, series)
+    return os.path.basename(path)
+
+
 def report(setting: Setting, root: str, seeds: Sequence[int], name: str, note: str,
            out: str, arm: str) -> dict:
     """The try's record (`arm` against lr0, appended to the setting's tries in `out`) and
@@ -206,9 +231,10 @@ def report(setting: Setting, root: str, seeds: Sequence[int], name: str, note: s
                          if k not in ("rows",)}, "taxonomy": warm.get("taxonomy"),
               "gate_pass": passes(per_seed, warm.get("histogram"), warm.get("prefix")),
               "load": sc.load_note()}
+    record["figure"] = figure(setting, root, seeds, arm, os.path.dirname(out))
     gate = sc._read_json(out)
-    section = gate.setdefault(setting.record, {"criteria": {**CRITERIA, **sc.GATE},
-                                               "tries": []})
+    criteria = {**CRITERIA, **sc.GATE, "difficulty": setting.difficulty}
+    section = gate.setdefault(setting.record, {"criteria": criteria, "tries": []})
     section["tries"] = [t for t in section["tries"] if t["try"] != name] + [record]
     section["gate_pass"] = any(t["gate_pass"] for t in section["tries"])
     with open(out, "w") as f:

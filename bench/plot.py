@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 COLORS = {"baseline": "tab:gray", "ps_fixed": "tab:blue", "ps_adaptive": "tab:orange",
-          "spo": "tab:green", "grpo": "tab:gray"}
+          "spo": "tab:green", "grpo": "tab:gray", "GRPO": "tab:blue", "lr": "tab:gray"}
 
 
 def arm_label(arm: str, seeds: int) -> str:

@@ -18,7 +18,8 @@ correct demonstrations only; see `graded` below), revisit (the Prefix Sampling c
 skewed tasks re-run from the start instead of from a prefix), decide (the decision
 family: the operator of a one-line function read from the expected value, the line edited
 by number; see `decide` below), budget (the decision family under a step budget that
-half of the demonstrated ways of working exceed; see `budget` below).
+half of the demonstrated ways of working exceed; see `budget` below), budget0 (the same
+budget over difficulty 0, where the direct way is one the policy can carry out).
 """
 
 import os
@@ -28,7 +29,8 @@ import ml_collections
 from configs import common
 
 OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, server=False, seed=0,
-               steps=0, graded=False, revisit=False, decide=False, budget=False)
+               steps=0, graded=False, revisit=False, decide=False, budget=False,
+               budget0=False)
 # The project's SGLang-protocol server on its CPU engine, launched like SGLang; it imports
 # this repository, which a launched server has off its sys.path unless its env says so.
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,6 +156,8 @@ def _options(c, arg) -> None:
         decide(c)
     if arg.budget:
         budget(c)
+    if arg.budget0:
+        budget0(c)
     if arg.revisit:
         c.ps.revisit = True
     if arg.spo:
@@ -246,4 +250,17 @@ def decide(c) -> None:
 # rendered whole (6 calls at most), so every one solves its task.
 def budget(c) -> None:
     c.sft.update(explore_share=0.5, max_steps=6)
+    c.rollout.max_steps = 3
+
+
+# The same step budget over mini-SWE difficulty 0 (the statement names the file, the fix
+# is a str_replace of the bug's line), where the direct way is one the policy can carry
+# out: in the decision family it passed about one time in ten, so learning to work
+# directly was worth little. Three of four demonstrations explore first (with half, the
+# warm start's pass rate would sit above the histogram's 0.25 ceiling).
+def budget0(c) -> None:
+    c.env.difficulties = (0,)
+    c.sft.imperfect_share = 0.0
+    c.rollout.temperature = 0.4
+    c.sft.update(explore_share=0.75, max_steps=6)
     c.rollout.max_steps = 3
