@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from env.tasks import Task
+from rl import distributed
 from rl.prefix import PrefixConfig
-from rl.rollout import Agent, RolloutConfig
+from rl.rollout import Agent, RolloutConfig, RolloutJob, decode_jobs, encode_jobs
 from rl.tracker import SPOConfig
 from rl.types import Trajectory
 
@@ -116,3 +117,21 @@ class Algorithm(abc.ABC):
     async def close(self) -> None:
         """Stops background work (e.g. rollouts still in flight)."""
         return None
+
+
+def save_ahead(chunks: int, jobs: Sequence[RolloutJob]) -> dict[str, Any]:
+    """Host state of the chunks drawn and this process's jobs of them not yet trained on,
+    every process's jobs gathered (a collective)."""
+    return {"chunks": chunks, "jobs": distributed.allgather_objects(encode_jobs(jobs))}
+
+
+def load_ahead(ahead: Mapping[str, Any], task_by_id: Mapping[str, Task]
+               ) -> tuple[int, list[RolloutJob]]:
+    """(chunks drawn, this process's jobs to run again first) from `save_ahead`'s state;
+    a checkpoint of another process count is refused."""
+    jobs = ahead["jobs"]
+    if len(jobs) != distributed.process_count():
+        raise ValueError(f"the checkpoint holds the jobs in flight of {len(jobs)} "
+                         f"processes; resume it with as many (this run has "
+                         f"{distributed.process_count()})")
+    return int(ahead["chunks"]), decode_jobs(jobs[distributed.process_index()], task_by_id)

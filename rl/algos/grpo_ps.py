@@ -25,8 +25,8 @@ import numpy as np
 
 from rl import advantages as adv_lib
 from rl import distributed, prefix, seeds
-from rl.algos.base import AlgoConfig, Algorithm, Context, Progress
-from rl.rollout import RolloutJob, StreamCollector, decode_jobs, encode_jobs
+from rl.algos.base import AlgoConfig, Algorithm, Context, Progress, load_ahead, save_ahead
+from rl.rollout import RolloutJob, StreamCollector
 from rl.sampler import TaskSampler
 from rl.seeds import job_seed
 from rl.types import Trajectory
@@ -114,8 +114,7 @@ class GRPOPrefix(Algorithm):
         # every process's jobs not yet trained on (a collective)
         if self.cfg.rollout.max_staleness:
             pending = self._collector.pending() if self._collector else self._pending
-            state["ahead"] = {"chunks": self._chunks, "jobs": distributed.allgather_objects(
-                encode_jobs([*pending, *self._local]))}
+            state["ahead"] = save_ahead(self._chunks, [*pending, *self._local])
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -124,13 +123,7 @@ class GRPOPrefix(Algorithm):
         self.controller.load_state_dict(state["controller"])
         self.rng.bit_generator.state = state["np_rng"]
         if self.cfg.rollout.max_staleness and "ahead" in state:
-            jobs = state["ahead"]["jobs"]
-            if len(jobs) != distributed.process_count():
-                raise ValueError(f"the checkpoint holds the jobs in flight of {len(jobs)} "
-                                 f"processes; resume it with as many (this run has "
-                                 f"{distributed.process_count()})")
-            self._chunks = int(state["ahead"]["chunks"])
-            self._pending = decode_jobs(jobs[distributed.process_index()], self.task_by_id)
+            self._chunks, self._pending = load_ahead(state["ahead"], self.task_by_id)
             self._local = []
 
     async def close(self) -> None:

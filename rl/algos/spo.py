@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from rl import distributed, seeds
-from rl.algos.base import AlgoConfig, Algorithm, Context, Progress
-from rl.rollout import RolloutJob, StreamCollector, decode_jobs, encode_jobs
+from rl.algos.base import AlgoConfig, Algorithm, Context, Progress, load_ahead, save_ahead
+from rl.rollout import RolloutJob, StreamCollector
 from rl.tracker import (
     BetaTracker,
     PrioritizedSampler,
@@ -237,10 +237,9 @@ class SPO(Algorithm):
         return {"tracker": self.tracker.state_dict(), "spo_sampler": self.sampler.state_dict(),
                 "np_rng": self.rng.bit_generator.state, "started": self.started,
                 # every process's jobs not yet trained on (a collective), and their places
-                "ahead": {"chunks": self._chunks, "drawn": self._drawn,
-                          "order": [[t, s, i] for (t, s), i in self._order.items()],
-                          "jobs": distributed.allgather_objects(
-                              encode_jobs([*pending, *self._local]))}}
+                "ahead": {**save_ahead(self._chunks, [*pending, *self._local]),
+                          "drawn": self._drawn,
+                          "order": [[t, s, i] for (t, s), i in self._order.items()]}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if "tracker" not in state:
@@ -263,14 +262,9 @@ class SPO(Algorithm):
         if "ahead" not in state:  # a checkpoint that kept none: draw on from its step
             self._chunks, self._drawn = int(state.get("step", 0)), 0
             return
-        jobs = state["ahead"]["jobs"]
-        if len(jobs) != distributed.process_count():
-            raise ValueError(f"the checkpoint holds the jobs in flight of {len(jobs)} "
-                             f"processes; resume it with as many (this run has "
-                             f"{distributed.process_count()})")
-        self._chunks, self._drawn = int(state["ahead"]["chunks"]), int(state["ahead"]["drawn"])
+        self._chunks, self._resumed = load_ahead(state["ahead"], self.task_by_id)
+        self._drawn = int(state["ahead"]["drawn"])
         self._order = {(t, int(s)): int(i) for t, s, i in state["ahead"]["order"]}
-        self._resumed = decode_jobs(jobs[distributed.process_index()], self.task_by_id)
 
     async def close(self) -> None:
         if self._collector is not None:
