@@ -95,6 +95,27 @@ def test_exact_kl_matches_naive(temperature, masked_fraction):
     assert np.all(np.asarray(actual[0])[~masked] > 0.0)
 
 
+def test_exact_kl_bfloat16_with_every_row_in_one_block():
+    """One row block holds every row, so XLA folds the weight gradient's row slice away;
+    its bfloat16 dot must still run on CPU, close to the float32 reference."""
+    hidden, lm_head, ref_hidden, ref_lm_head, mask, cotangent = _kl_inputs(0.0)
+
+    def value_and_grads(dtype, implementation, **blocks):
+        def loss(h, w):
+            kl = exact_kl(h, w, ref_hidden.astype(dtype), ref_lm_head.astype(dtype), mask,
+                          implementation=implementation, **blocks)
+            return jnp.sum(cotangent * kl), kl
+        (_, kl), grads = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(
+            hidden.astype(dtype), lm_head.astype(dtype))
+        return kl, *grads
+
+    actual = value_and_grads(jnp.bfloat16, "xla", row_block=32, vocab_block=64)
+    expected = value_and_grads(jnp.float32, "reference")
+    for a, e in zip(actual, expected, strict=True):
+        a, e = np.asarray(a, np.float32), np.asarray(e)
+        np.testing.assert_allclose(a, e, rtol=5e-2, atol=5e-2 * np.abs(e).max())
+
+
 def test_exact_kl_is_zero_for_identical_models():
     hidden, lm_head, *_, mask, _ = _kl_inputs(0.0)
     kl = exact_kl(hidden, lm_head, hidden, lm_head, mask, row_block=8, vocab_block=64)

@@ -268,3 +268,14 @@ def test_pallas_fallback_is_logged_and_a_required_kernel_is_an_error(caplog):
         fallback.use_pallas("logprob", pallas, signature, required=True)
     xla = _ForwardBackward(XlaEngine(**BLOCKS["xla"]), 1.0)
     assert fallback.use_pallas("logprob", xla, signature, required=True)
+
+
+def test_xla_bfloat16_with_every_row_in_one_block():
+    """The train step's shape at short rows: one row block holds every row, so XLA folds
+    the weight gradient's row slice away; its bfloat16 dot must still run on CPU."""
+    hidden, lm_head, targets, mask, cotangents = _inputs(jnp.bfloat16, 0.0, seed=3)
+    args = (hidden, lm_head, targets, mask, cotangents, 1.0)
+    outputs, grads = _value_and_grads("xla", *args, row_block=64, vocab_block=64)
+    ref_outputs, ref_grads = _value_and_grads("reference", *args)
+    for actual, expected in zip((*outputs, *grads), (*ref_outputs, *ref_grads), strict=True):
+        _assert_close(actual, expected, jnp.bfloat16)

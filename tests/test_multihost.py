@@ -432,7 +432,7 @@ def _spo_compare_trackers(one: str, two: str) -> dict[int, bool]:
                          == _tb_text(two, "rollout/consumed", step)
                          and (step == 1 or trained[step - 1]))
         if trained[step]:
-            _spo_same_step(ref_metrics[step], metrics[step])
+            _spo_same_step(ref_metrics[step], metrics[step], same_tokens=step < 3)
             assert list(tracker["task_ids"]) == list(ref_tracker["task_ids"])
             assert _host(two, step)["spo_sampler"] == _host(one, step)["spo_sampler"]
     return trained
@@ -444,11 +444,14 @@ def _tb_text(workdir: str, tag: str, step: int) -> str:
     return next(text for s, text in _tb(workdir, tag) if s == step)
 
 
-def _spo_same_step(ref: dict, got: dict) -> None:
+def _spo_same_step(ref: dict, got: dict, same_tokens: bool) -> None:
     """One step's rollout and SPO metrics of two runs that trained on the same prompts
-    in the same order; the loss and the drift D read the tokens a rollout spanning a
-    weight update sampled under the weights of the moment (timing), so agree closely."""
+    in the same order: rewards and the tracker's figures equal; the loss and the drift D,
+    which read the sampled tokens, close where the tokens are the same (rollouts sampled
+    by the starting weights). A rollout spanning a weight update samples its later
+    tokens under the weights of the moment, which differs between the runs."""
     close = ("learner/loss", "spo/drift_mean")
-    for key in [k for k in ref if k.startswith(("rollout/reward", "spo/")) or k in close]:
+    keys = [k for k in ref if k.startswith(("rollout/reward", "spo/")) or k in close]
+    for key in [k for k in keys if same_tokens or k not in close]:
         tolerance = 5e-2 * abs(ref[key]) if key in close else 1e-9
         assert abs(got[key] - ref[key]) <= tolerance, (ref["step"], key)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels.logprob.rows import compact_rows
-from kernels.logprob.xla import logits, row_loop, vocab_loop, weight_grad
+from kernels.logprob.xla import logits, row_loop, vocab_loop, weight_grad, weight_layout
 
 F32 = jnp.float32
 _CONTRACT_COLS = (((1,), (1,)), ((), ()))
@@ -109,7 +109,7 @@ def _backward(chunks: Chunks, residuals, g_kl):
     h_c, hr_c = rows.gather(hidden), rows.gather(ref_hidden)
     g_c = rows.gather(g_kl.astype(F32))
     mm_dtype = jnp.promote_types(hidden.dtype, lm_head.dtype)
-    h_t = h_c.T
+    h_pass = weight_layout(h_c)
 
     def vocab_body(carry, start, width):
         dh_c, dw = carry
@@ -127,7 +127,7 @@ def _backward(chunks: Chunks, residuals, g_kl):
             dz = dz.astype(mm_dtype)
             dh_i = lax.dot_general(dz, w_j, _CONTRACT_COLS, preferred_element_type=F32)
             dh_c = lax.dynamic_update_slice_in_dim(dh_c, row(dh_c) + dh_i, r0, 0)
-            dw_j = dw_j + weight_grad(h_t, r0, row_block, dz)
+            dw_j = dw_j + weight_grad(h_pass, r0, row_block, dz)
             return dh_c, dw_j
 
         dw_j = jnp.zeros((lm_head.shape[0], width), F32)

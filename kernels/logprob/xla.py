@@ -16,6 +16,7 @@ from jax import lax
 from kernels.logprob.rows import RowCompaction, RowGrads
 
 F32 = jnp.float32
+_CONTRACT_ROWS = (((0,), (0,)), ((), ()))  # a[R, x], b[R, y] -> [x, y]
 _CONTRACT_COLS = (((1,), (1,)), ((), ()))  # a[x, C], b[y, C] -> [x, y]
 
 
@@ -44,15 +45,25 @@ def logits(h_rows: jax.Array, w_cols: jax.Array, inv_t: float) -> jax.Array:
     return jnp.dot(h_rows, w_cols, preferred_element_type=F32) * inv_t
 
 
-def weight_grad(h_t: jax.Array, r0, row_block: int, dz: jax.Array) -> jax.Array:
-    """h[r0:r0+row_block].T @ dz, float32, from h_t = h.T [d, N_pad] and dz[row_block, C].
+def weight_layout(h: jax.Array) -> jax.Array:
+    """h [N_pad, d] as weight_grad reads it for a whole pass: transposed once in float32;
+    as it is in narrower dtypes, whose dot XLA:CPU cannot run with the transpose folded
+    in ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32")."""
+    return h.T if h.dtype == F32 else h
 
-    The transposed copy is made once per pass: a dot contracting both operands' leading
-    (row) axis instead takes CPU dots about twice as long (3.9 s against 1.9 s of CPU at
+
+def weight_grad(h_pass: jax.Array, r0, row_block: int, dz: jax.Array) -> jax.Array:
+    """h[r0:r0+row_block].T @ dz, float32, from h_pass = weight_layout(h) and dz[row_block, C].
+
+    In float32 the rows come from the transposed copy: a dot contracting both operands'
+    leading (row) axis takes CPU dots about twice as long (3.9 s against 1.9 s of CPU at
     [4096, 512] x [4096, 32768]).
     """
-    h_rows_t = lax.dynamic_slice_in_dim(h_t, r0, row_block, axis=1)
-    return jnp.dot(h_rows_t, dz, preferred_element_type=F32)
+    if h_pass.dtype == F32:
+        h_rows_t = lax.dynamic_slice_in_dim(h_pass, r0, row_block, axis=1)
+        return jnp.dot(h_rows_t, dz, preferred_element_type=F32)
+    h_rows = lax.dynamic_slice_in_dim(h_pass, r0, row_block, axis=0)
+    return lax.dot_general(h_rows, dz, _CONTRACT_ROWS, preferred_element_type=F32)
 
 
 def merge_stats(m, s, a, z):
@@ -140,7 +151,7 @@ class XlaEngine:
         stats, or None to recompute them."""
         kept, vectors = terms.kept, terms._replace(kept=None)
         mm_dtype = jnp.promote_types(h_c.dtype, w.dtype)
-        h_t = h_c.T
+        h_pass = weight_layout(h_c)
 
         def vocab_body(carry, start, width):
             dh_c, dw = carry
@@ -157,7 +168,7 @@ class XlaEngine:
                 dz = dz.astype(mm_dtype)
                 dh_i = lax.dot_general(dz, w_j, _CONTRACT_COLS, preferred_element_type=F32)
                 dh_c = lax.dynamic_update_slice_in_dim(dh_c, row(dh_c) + dh_i, r0, 0)
-                dw_j = dw_j + weight_grad(h_t, r0, row_block, dz)
+                dw_j = dw_j + weight_grad(h_pass, r0, row_block, dz)
                 return dh_c, dw_j
 
             dw_j = jnp.zeros((w.shape[0], width), F32)
