@@ -3,7 +3,9 @@
     python -m bench.scaleout [--episodes 48] [--concurrency 4] [--sessions 8] [--turns 4]
 
 Sandboxes (local backend, mini-SWE expert episodes, env.sandbox.cluster): episodes/s
-with today's local placement and through Ray on 1, 2 and 3 nodes of a loopback cluster
+with today's local placement and through Ray on one node of a loopback cluster, in
+turn 5 times while the cluster runs (medians; `ray_vs_local_1node` is their ratio; the
+idle cluster's CPU share beside it), then on new clusters of 2 and 3 nodes
 (ray.cluster_utils; on one machine the extra nodes add no CPUs, so this measures the
 Ray path's cost, not a speed-up); the per-call overhead (median `read_file` through
 Ray minus direct); memory per sandbox of a host actor serving many (USS of the host
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -93,43 +96,80 @@ def timed(factory, tasks, concurrency: int) -> dict:
     return measure(factory, tasks, concurrency)
 
 
-def sandboxes(episodes: int, concurrency: int) -> dict:
+def sandboxes(episodes: int, concurrency: int, rounds: int = 5) -> dict:
+    """Local placement and Ray on one node of a running cluster, in turn `rounds` times:
+    the median episodes/s of each and their ratio; then Ray on 2 and 3 nodes; the call
+    overhead, memory, and the CPU the idle cluster takes during the local rounds."""
     tasks = generate_tasks(episodes, seed=0, difficulties=(0, 1))
-    out: dict = {"local": timed(SandboxFactory("local"), tasks, concurrency)}
-    direct = SandboxFactory("local").create(repo_files=FILES)
+    local = SandboxFactory("local")
+    direct = local.create(repo_files=FILES)
     direct_ms = median_ms(direct.read_file, "a.py")
     direct.close()
+    runs: dict[str, list[dict]] = {"local": [], "ray_1node": []}
+    out: dict = {}
+    with ray_cluster(1, concurrency) as factory:
+        out["idle_cluster_cpu_per_s"] = idle_cpu(10.0)
+        for _ in range(rounds):
+            runs["local"].append(timed(local, tasks, concurrency))
+            runs["ray_1node"].append(timed(factory, tasks, concurrency))
+        out.update(call_and_memory(factory, direct_ms, concurrency))
+        factory.close()  # its kept slots go back for the actors below
+        out["actor_per_sandbox"] = actor_per_sandbox(concurrency)
+    for name, results in runs.items():
+        rates = [r["episodes_per_s"] for r in results]
+        out[name] = {**results[rates.index(statistics.median(rates))], "rounds": rates}
+    out["ray_vs_local_1node"] = round(
+        out["ray_1node"]["episodes_per_s"] / out["local"]["episodes_per_s"], 3)
+    for n in (2, 3):
+        with ray_cluster(n, concurrency) as factory:
+            out[f"ray_{n}node"] = timed(factory, tasks, concurrency)
+    return out
+
+
+def idle_cpu(seconds: float) -> float:
+    """CPU-seconds per second the machine spends while this process sleeps (here: the
+    idle Ray cluster's daemons)."""
+    before = psutil.cpu_times()
+    time.sleep(seconds)
+    after = psutil.cpu_times()
+    busy = lambda t: t.user + t.system + t.nice
+    return round((busy(after) - busy(before)) / seconds, 3)
+
+
+@contextlib.contextmanager
+def ray_cluster(nodes: int, slots: int):
+    """A RayFactory of the local backend on a new loopback cluster of `nodes` nodes (one
+    CPU and `slots` sandbox slots each), shut down after."""
     cluster = Cluster()
     try:
-        nodes = []
-        for n in (1, 2, 3):
-            nodes.append(cluster.add_node(num_cpus=1, resources={SLOT: concurrency},
-                                          object_store_memory=80 << 20))
-            cluster.wait_for_nodes()
-            if n == 1:
-                ray.init(address=cluster.address, logging_level="WARNING",
-                         runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
-            factory = RayFactory("local", wait_s=300)
-            try:
-                out[f"ray_{n}node"] = timed(factory, tasks, concurrency)
-                if n == 1:
-                    held = [factory.create(repo_files=FILES) for _ in range(concurrency)]
-                    out["ray_call_ms"] = median_ms(held[0].read_file, "a.py")
-                    out["direct_call_ms"] = direct_ms
-                    out["host_actor_mib_per_sandbox"] = round(
-                        uss_mib(host_pids()) / len(held), 1)
-                    for sandbox in held:
-                        sandbox.close()
-            finally:
-                factory.close()
-        out["actor_per_sandbox"] = actor_per_sandbox(concurrency)
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=1, resources={SLOT: slots}, object_store_memory=80 << 20)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING",
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+        factory = RayFactory("local", wait_s=300)
+        try:
+            yield factory
+        finally:
+            factory.close()
     finally:
         ray.shutdown()
         cluster.shutdown()
-    out["ray_vs_local_1node"] = round(
-        out["ray_1node"]["episodes_per_s"] / out["local"]["episodes_per_s"], 3)
-    out["ray_call_overhead_ms"] = round(out["ray_call_ms"] - direct_ms, 3)
-    return out
+
+
+def call_and_memory(factory, direct_ms: float, concurrency: int) -> dict:
+    """A sandbox call through Ray against the direct one; USS of the host actor per
+    sandbox it serves."""
+    held = [factory.create(repo_files=FILES) for _ in range(concurrency)]
+    try:
+        ray_ms = median_ms(held[0].read_file, "a.py")
+        mib = round(uss_mib(host_pids()) / len(held), 1)
+    finally:
+        for sandbox in held:
+            sandbox.close()
+    return {"ray_call_ms": ray_ms, "direct_call_ms": direct_ms,
+            "ray_call_overhead_ms": round(ray_ms - direct_ms, 3),
+            "host_actor_mib_per_sandbox": mib}
 
 
 SERVER = ("{python} -m inference.server --preset tiny --seed 0 --port {port} --host {host} "

@@ -19,8 +19,10 @@ import docker
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group_table
 from sandbox_backends import ensure_image
 
+import env.sandbox.cluster
 from env.episode import Episode
 from env.miniswe import expert_demo, generate_tasks
 from env.sandbox import SandboxError, SandboxFactory
@@ -113,8 +115,9 @@ def test_placement_spreads_waits_for_a_slot_and_keeps_exception_types(cluster):
         assert containers(url, factory.labels) == []
 
 
-def test_local_backend_over_the_nodes(cluster):
+def test_local_backend_over_the_nodes(cluster, monkeypatch):
     _, nodes, _, _ = cluster
+    monkeypatch.setattr(env.sandbox.cluster, "IDLE_SLOT_S", 3.0)
     factory = RayFactory("local", wait_s=120)
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -123,8 +126,19 @@ def test_local_backend_over_the_nodes(cluster):
         sandboxes[0].write_file("b.py", "y = 2\n")
         assert "b.py" in sandboxes[0].patch()
         assert sandboxes[1].run("python3 -c 'import a; print(a.x)'").output == "1\n"
+        assert sandboxes[2].real_root() == sandboxes[2].run("pwd -P").output.strip()
         for sandbox in sandboxes:
             sandbox.close()
+        # The freed slots stay with the factory for its next sandboxes (no new placement
+        # group), and go back to the cluster once idle IDLE_SLOT_S.
+        groups = len(placement_group_table())
+        assert factory.metrics()["env/slots_kept"] == 8
+        again = factory.create(repo_files=FILES)
+        assert again.node == sandboxes[-1].node and len(placement_group_table()) == groups
+        assert factory.metrics()["env/slots_kept"] == 7
+        again.close()
+        wait_for(lambda: factory.metrics()["env/slots_free"] == 8, timeout=30)
+        assert factory.metrics()["env/slots_kept"] == 0
         # Sandboxes made without a total memory bound are counted on their nodes and
         # reported by the trainer's factory, as this machine's own factory counts them.
         direct = SandboxFactory("local")

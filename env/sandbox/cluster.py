@@ -8,7 +8,10 @@ resources and runs the local or Docker backend against its own engine.
 Placement: each sandbox holds one slot through a one-bundle placement group
 {"sandbox_slot": 1} that Ray's scheduler puts on a node with a free slot; while none
 has one, `create` waits (up to `wait_s`, then SandboxError naming the cluster's
-slots). The sandbox itself lives in its node's host: one threaded SandboxHost actor
+slots). A closed sandbox's slot stays with the factory for its next `create` (no
+round trip to Ray's scheduler) unless a `create` is waiting for one or it has been
+idle IDLE_SLOT_S; then it goes back to the cluster. The sandbox itself lives in its
+node's host: one threaded SandboxHost actor
 per node and factory, serving every sandbox of the factory on that node. (An actor per
 sandbox costs a Ray worker process per sandbox: ~50 MiB each, and seconds to start on
 a loaded machine; one per node costs ~50 MiB for all, for the same ~1.4 ms per call:
@@ -32,11 +35,17 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 import ray
 import ray.exceptions
-from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from env.sandbox import base, docker, local
@@ -50,6 +59,9 @@ SLOT = "sandbox_slot"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Calls a host serves at once (threads of the actor): past every sandbox a node holds.
 HOST_CONCURRENCY = 1024
+# A slot a closed sandbox left is kept this long for the factory's next sandbox, then
+# returned to the cluster (for other runs sharing it).
+IDLE_SLOT_S = 10.0
 
 
 class SandboxHost:
@@ -99,9 +111,22 @@ class SandboxHost:
         self.factory.close()
 
 
+class Slot(NamedTuple):
+    """One `sandbox_slot`, held by a one-bundle placement group on `node`."""
+
+    group: PlacementGroup
+    node: str
+    idle_since: float = 0.0
+    lost: bool = False  # a call to its node failed: not to be kept
+
+
+class HostLost(base.SandboxError):
+    """The node or host actor that was to serve a call is gone."""
+
+
 def _ray_call(ref: ray.ObjectRef, what: str, timeout: float | None = None) -> Any:
     """The value of `ref`: an exception raised in the sandbox with its own type; a lost
-    node, host or reply as SandboxError."""
+    node, host or reply as HostLost."""
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.RayTaskError as e:
@@ -109,18 +134,18 @@ def _ray_call(ref: ray.ObjectRef, what: str, timeout: float | None = None) -> An
             raise e.cause from None
         raise base.SandboxError(f"{what}: {e}") from e
     except (ray.exceptions.RayError, TimeoutError) as e:
-        raise base.SandboxError(f"{what}: its ray node or host was lost ({e!r})") from e
+        raise HostLost(f"{what}: its ray node or host was lost ({e!r})") from e
 
 
 class RaySandbox(base.Sandbox):
-    """A sandbox in the host actor of the node its slot (placement group) is on."""
+    """A sandbox in the host actor of the node its slot is on."""
 
-    def __init__(self, host, key: int, node: str, group, on_close):
-        self._host, self._key, self.node, self._group = host, key, node, group
-        self._on_close = on_close
+    def __init__(self, host, key: int, slot: Slot, on_close):
+        self._host, self._key, self._slot, self._on_close = host, key, slot, on_close
+        self.node = slot.node
 
     def _call(self, method: str, *args: Any, timeout: float | None = None) -> Any:
-        if self._group is None:
+        if self._slot is None:
             raise base.SandboxError("sandbox is closed")
         return _ray_call(self._host.call.remote(self._key, method, *args),
                          f"sandbox {method} on node {self.node[:12]}", timeout)
@@ -140,18 +165,21 @@ class RaySandbox(base.Sandbox):
     def apply_patch(self, patch: str) -> None:
         self._call("apply_patch", patch)
 
+    def real_root(self) -> str:
+        return self._call("real_root")
+
     def close(self) -> None:
         """Closes the sandbox on its node (a lost node took it along) and frees the slot."""
-        group, self._group = self._group, None
-        if group is None:
+        slot, self._slot = self._slot, None
+        if slot is None:
             return
         try:
             _ray_call(self._host.close.remote(self._key), f"closing a sandbox on {self.node[:12]}")
         except base.SandboxError as e:
             log.warning("%s; what it left goes when its node's host next starts", e)
+            slot = slot._replace(lost=True)
         finally:
-            remove_placement_group(group)
-            self._on_close()
+            self._on_close(slot)
 
 
 class RayFactory(SandboxFactory):
@@ -179,6 +207,9 @@ class RayFactory(SandboxFactory):
         self._lock = threading.Lock()
         self._hosts: dict[str, Any] = {}
         self._live: dict[str, int] = {}  # node id -> live sandboxes
+        self._idle: list[Slot] | None = []  # free slots kept; None once closed
+        self._waiting = 0  # creates waiting for Ray to place a slot
+        self._expiry: threading.Timer | None = None  # returns kept slots IDLE_SLOT_S on
         self._remote_host = ray.remote(SandboxHost)
         nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOT)]
         if not nodes:
@@ -208,7 +239,35 @@ class RayFactory(SandboxFactory):
         return host
 
     def create(self, **spec: Any) -> RaySandbox:
-        """A sandbox on the node Ray gives a free slot (waits up to `wait_s` for one)."""
+        """A sandbox on the node Ray gives a free slot (waits up to `wait_s` for one). A
+        kept slot whose node is gone is given back, and another one taken."""
+        while True:
+            slot, kept = self._take_slot()
+            key = next(self._keys)
+            try:
+                host = self._host(slot.node)
+                what = f"creating a sandbox on node {slot.node[:12]}"
+                _ray_call(host.create.remote(key, spec), what)
+            except HostLost:
+                remove_placement_group(slot.group)
+                if kept:
+                    continue
+                raise
+            except BaseException:
+                self._give_back(slot)
+                raise
+            with self._lock:
+                self._live[slot.node] = self._live.get(slot.node, 0) + 1
+            return RaySandbox(host, key, slot, self._closed)
+
+    def _take_slot(self) -> tuple[Slot, bool]:
+        """(a slot, whether it was kept from a closed sandbox): a kept one if any, else one
+        Ray's scheduler places on a node with a free slot."""
+        with self._lock:
+            self._release_idle(time.monotonic() - IDLE_SLOT_S)
+            if self._idle:
+                return self._idle.pop(), True
+            self._waiting += 1
         group = placement_group([{SLOT: 1}])
         try:
             _ray_call(group.ready(), "placing a sandbox", timeout=self.wait_s)
@@ -218,31 +277,60 @@ class RayFactory(SandboxFactory):
             raise base.SandboxError(
                 f"no Ray node had a free {SLOT} within {self.wait_s:.0f}s ({m['env/slots']:.0f} "
                 f"slots on {m['env/nodes']:.0f} nodes, {m['env/slots_free']:.0f} free)") from None
-        node = placement_group_table(group)["bundles_to_node_id"][0]
-        key = next(self._keys)
-        try:
-            host = self._host(node)
-            _ray_call(host.create.remote(key, spec), f"creating a sandbox on node {node[:12]}")
-        except BaseException:
-            remove_placement_group(group)
-            raise
-        with self._lock:
-            self._live[node] = self._live.get(node, 0) + 1
-        return RaySandbox(host, key, node, group, lambda: self._closed(node))
+        finally:
+            with self._lock:
+                self._waiting -= 1
+        return Slot(group, placement_group_table(group)["bundles_to_node_id"][0]), False
 
-    def _closed(self, node: str) -> None:
+    def _closed(self, slot: Slot) -> None:
         with self._lock:
-            self._live[node] -= 1
+            self._live[slot.node] -= 1
+        self._give_back(slot)
+
+    def _give_back(self, slot: Slot) -> None:
+        """Keeps a free slot for the next create, or returns it to the cluster when a
+        create waits for one (Ray then places that one here), its node failed, or the
+        factory is closed."""
+        with self._lock:
+            if self._waiting or slot.lost or self._idle is None:
+                remove_placement_group(slot.group)
+                return
+            self._idle.append(slot._replace(idle_since=time.monotonic()))
+            if self._expiry is None:
+                self._expiry = threading.Timer(IDLE_SLOT_S, self._expire)
+                self._expiry.daemon = True
+                self._expiry.start()
+
+    def _expire(self) -> None:
+        """Returns the slots kept IDLE_SLOT_S to the cluster; comes back while any is kept."""
+        with self._lock:
+            self._expiry = None
+            if not self._idle:
+                return
+            self._release_idle(time.monotonic() - IDLE_SLOT_S)
+            if self._idle:
+                wait = self._idle[0].idle_since + IDLE_SLOT_S - time.monotonic()
+                self._expiry = threading.Timer(max(wait, 0.01), self._expire)
+                self._expiry.daemon = True
+                self._expiry.start()
+
+    def _release_idle(self, before: float) -> None:
+        """Returns the slots kept since before `before` to the cluster (lock held)."""
+        for slot in [s for s in self._idle if s.idle_since < before]:
+            remove_placement_group(slot.group)
+        self._idle = [s for s in self._idle if s.idle_since >= before]
 
     def metrics(self) -> dict[str, float]:
-        """The cluster's sandbox nodes, slots and free slots; this factory's live sandboxes."""
+        """The cluster's sandbox nodes, slots and free slots; this factory's live sandboxes
+        and the free slots it keeps."""
         nodes = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(SLOT)]
         with self._lock:
-            live = sum(self._live.values())
+            live, kept = sum(self._live.values()), len(self._idle or ())
         return {"env/nodes": float(len(nodes)),
                 "env/slots": float(sum(n["Resources"][SLOT] for n in nodes)),
                 "env/slots_free": float(ray.available_resources().get(SLOT, 0.0)),
-                "env/live": float(live), **self._host_metrics()}
+                "env/live": float(live), "env/slots_kept": float(kept),
+                **self._host_metrics()}
 
     def _host_metrics(self) -> dict[str, float]:
         """The node factories' own counters (local sandboxes made without a memory bound),
@@ -263,6 +351,11 @@ class RayFactory(SandboxFactory):
         """Closes this factory's sandboxes and containers on every node that answers."""
         with self._lock:
             hosts, self._hosts = dict(self._hosts), {}
+            if self._idle is not None:
+                self._release_idle(float("inf"))
+            self._idle = None
+            if self._expiry is not None:
+                self._expiry.cancel()
         for node, host in hosts.items():
             try:
                 _ray_call(host.shutdown.remote(), f"closing the sandboxes of node {node[:12]}")
