@@ -4,6 +4,7 @@
     python -m bench.decision_gate measure --seed 0          # histogram, prefix table, taxonomy
     python -m bench.decision_gate runs --seeds 0,1 [--steps 24]
     python -m bench.decision_gate report [--try NAME] [--note TEXT]
+    python -m bench.decision_gate arms --arms ps_lr2e4,revisit_lr2e4   # against GRPO
     ... --setting budget                                    # the second setting (below)
 
 The setting is the decision family (configs/default.py:decide, mini-SWE difficulty 4): the
@@ -46,6 +47,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bench import experiments as ex
+from bench import mechanism_claims as mc
 from bench import seed_claims as sc
 from bench import taxonomy as tx
 from env.tools import ToolCallError, parse_tool_call
@@ -71,8 +73,10 @@ class Setting:
 
     @property
     def arms(self) -> dict[str, str]:
-        """Every arm is the same config (Prefix Sampling off); only its `--set`s differ."""
-        return dict.fromkeys(SETS, f"configs/default.py:{self.option},baseline,seed={{seed}}")
+        """The gate's arms are the same config (Prefix Sampling off), only their `--set`s
+        differ; the method arms turn Prefix Sampling on (ARM_OPTIONS)."""
+        spec = f"configs/default.py:{self.option},{{}}seed={{{{seed}}}}"
+        return {arm: spec.format(ARM_OPTIONS.get(arm, "baseline,")) for arm in SETS}
 
 
 # The registered GRPO arm is the default's learning rate (5e-5); "grpo_lr2e4" is the second
@@ -80,6 +84,11 @@ class Setting:
 # collapse), added after the first try's rollouts were seen to match lr 0's at first.
 SETS = {"grpo": ["batch_tasks=8"], "grpo_lr2e4": ["batch_tasks=8", "learner.optim.lr=2e-4"],
         "lr0": ["batch_tasks=8", "learner.optim.lr=0.0"]}
+# The method arms beside the gate's GRPO arm, on its warm start, rate and tasks (the
+# same seed draws the same tasks at every step): Prefix Sampling at its default ratio,
+# and the revisit control (skewed tasks re-run from the start instead of a prefix).
+ARM_OPTIONS = {"ps_lr2e4": "", "revisit_lr2e4": "revisit,"}
+SETS.update(dict.fromkeys(ARM_OPTIONS, SETS["grpo_lr2e4"]))
 SETTINGS = {"decide": Setting("decide", "decision", "grpo", 4),
             "budget": Setting("budget", "budget", "grpo_lr2e4", 4),
             "budget0": Setting("budget0", "budget0", "grpo_lr2e4", 0)}
@@ -242,9 +251,43 @@ def report(setting: Setting, root: str, seeds: Sequence[int], name: str, note: s
     return record
 
 
+def compare_arms(root: str, seeds: Sequence[int], grpo: str, arms: Sequence[str]) -> dict:
+    """Each arm against `grpo` on the seeds both ran, paired by seed (the same tasks at
+    every step): mixed-outcome groups per step (solve_partial) as a ratio with a
+    seed-paired CI, its prefix groups' pass rate, the fresh pass rate's paired difference
+    over the gate's window, and the steps each needs to GRPO's fitted target (the
+    metrics of bench.seed_claims)."""
+    def runs(arm):
+        paths = {s: os.path.join(root, f"seed{s}", arm) for s in seeds}
+        return {s: p for s, p in paths.items()
+                if os.path.exists(os.path.join(p, "metrics.jsonl"))}
+
+    base = runs(grpo)
+    out = {"grpo_arm": grpo}
+    for arm in arms:
+        both = sorted(set(runs(arm)) & set(base))
+        recs = {name: {s: mc.group_records(os.path.join(root, f"seed{s}", run)) for s in both}
+                for name, run in (("grpo", grpo), (arm, arm))}
+        curves = {name: [ex.rl_curve(ex.read_metrics(os.path.join(root, f"seed{s}", run)),
+                                     KEY) for s in both] for name, run in (("grpo", grpo),
+                                                                           (arm, arm))}
+        out[arm] = {"seeds": both, **mc.prefix_figures(recs[arm]),
+                    "solve_partial": mc.partial_figures(recs, arm),
+                    "fresh_window": [{"seed": s, **paired(_curve(root, s, arm),
+                                                          _curve(root, s, grpo))}
+                                     for s in both],
+                    "steps_to_target": sc.steps_ratio(curves["grpo"], curves[arm],
+                                                      at=CRITERIA["steps"]),
+                    "wall_s": {name: [sc._read_json(os.path.join(root, f"seed{s}", run,
+                                                                 "run.json")).get("wall_s")
+                                      for s in both]
+                               for name, run in (("grpo", grpo), (arm, arm))}}
+    return out
+
+
 def main(argv=None) -> dict | None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=("warm", "measure", "runs", "report"))
+    p.add_argument("stage", choices=("warm", "measure", "runs", "report", "arms"))
     p.add_argument("--setting", choices=tuple(SETTINGS), default="decide")
     p.add_argument("--root", default=None, help="default: runs/<the setting's record>")
     p.add_argument("--seeds", default="0,1")
@@ -271,6 +314,10 @@ def main(argv=None) -> dict | None:
     elif args.stage == "runs":
         run_all(setting, root, seeds, args.steps, arms)
         return None
+    elif args.stage == "arms":
+        result = compare_arms(root, seeds, setting.arm, arms)
+        with open(os.path.join(sc.RESULTS, f"arms_{setting.record}.json"), "w") as f:
+            json.dump(result, f, indent=1)
     else:
         result = report(setting, root, seeds, args.name, args.note, args.out, arms[0])
     print(json.dumps(result, indent=1))
