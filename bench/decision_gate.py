@@ -205,21 +205,26 @@ def first_calls(root: str, seed: int, arm: str, step: int) -> dict | None:
     return {"first_call": dict(counts), "passed": dict(passed)}
 
 
-def figure(setting: Setting, root: str, seeds: Sequence[int], arm: str, out_dir: str) -> str:
-    """The fresh pass rate per step of `arm` and lr 0 (mean and SD over seeds), as
-    `gate_<record>.png` in `out_dir`; returns its file name."""
+# Legend labels; the first word picks the colour (bench.plot.COLORS).
+LABELS = {"grpo": "GRPO lr 5e-5", "grpo_lr2e4": "GRPO lr 2e-4", "lr0": "lr 0 (frozen)",
+          "ps_lr2e4": "GRPO+PS lr 2e-4", "revisit_lr2e4": "revisit lr 2e-4"}
+
+
+def figure(setting: Setting, root: str, seeds: Sequence[int], arms: Sequence[str],
+           out_dir: str, name: str = "") -> str:
+    """The fresh pass rate per step of each arm (mean and SD over seeds), as
+    `gate_<record><name>.png` in `out_dir`; returns its file name."""
     from bench.plot import arm_label, band_plot
 
     series = {}
-    for name, label in ((arm, f"GRPO {arm}"), ("lr0", "lr 0")):
-        curves = [_curve(root, s, name) for s in seeds]
+    for arm in arms:
+        curves = [_curve(root, s, arm) for s in seeds]
         steps = sorted(set.intersection(*(set(c) for c in curves)))
-        values = np.array([[c[x] for x in steps] for c in curves]).reshape(len(seeds), -1)
-        series[arm_label(label, len(seeds))] = (
+        values = np.array([[c[x] for x in steps] for c in curves])
+        series[arm_label(LABELS.get(arm, arm), len(seeds))] = (
             steps, values.mean(axis=0), values.std(axis=0))
-    path = os.path.join(out_dir, f"gate_{setting.record}.png")
-    band_plot(path, f"{setting.option}: fresh pass rate, GRPO against lr 0", "RL step",
-              KEY, series)
+    path = os.path.join(out_dir, f"gate_{setting.record}{name}.png")
+    band_plot(path, f"{setting.option}: fresh pass rate by arm", "RL step", KEY, series)
     return os.path.basename(path)
 
 
@@ -240,7 +245,7 @@ def report(setting: Setting, root: str, seeds: Sequence[int], name: str, note: s
                          if k not in ("rows",)}, "taxonomy": warm.get("taxonomy"),
               "gate_pass": passes(per_seed, warm.get("histogram"), warm.get("prefix")),
               "load": sc.load_note()}
-    record["figure"] = figure(setting, root, seeds, arm, os.path.dirname(out))
+    record["figure"] = figure(setting, root, seeds, [arm, "lr0"], os.path.dirname(out))
     gate = sc._read_json(out)
     criteria = {**CRITERIA, **sc.GATE, "difficulty": setting.difficulty}
     section = gate.setdefault(setting.record, {"criteria": criteria, "tries": []})
@@ -249,6 +254,10 @@ def report(setting: Setting, root: str, seeds: Sequence[int], name: str, note: s
     with open(out, "w") as f:
         json.dump(gate, f, indent=1)
     return record
+
+
+def _renamed(d: dict, names: dict[str, str], **extra) -> dict:
+    return {**extra, **{names.get(k, k): v for k, v in d.items()}}
 
 
 def compare_arms(root: str, seeds: Sequence[int], grpo: str, arms: Sequence[str]) -> dict:
@@ -273,8 +282,8 @@ def compare_arms(root: str, seeds: Sequence[int], grpo: str, arms: Sequence[str]
                                                                            (arm, arm))}
         out[arm] = {"seeds": both, **mc.prefix_figures(recs[arm]),
                     "solve_partial": mc.partial_figures(recs, arm),
-                    "fresh_window": [{"seed": s, **paired(_curve(root, s, arm),
-                                                          _curve(root, s, grpo))}
+                    "fresh_window": [_renamed(paired(_curve(root, s, arm), _curve(root, s, grpo)),
+                                              {"grpo": arm, "lr0": grpo}, seed=s)
                                      for s in both],
                     "steps_to_target": sc.steps_ratio(curves["grpo"], curves[arm],
                                                       at=CRITERIA["steps"]),
@@ -316,6 +325,8 @@ def main(argv=None) -> dict | None:
         return None
     elif args.stage == "arms":
         result = compare_arms(root, seeds, setting.arm, arms)
+        result["figure"] = figure(setting, root, seeds, [setting.arm, *arms, "lr0"],
+                                  sc.RESULTS, "_arms")
         with open(os.path.join(sc.RESULTS, f"arms_{setting.record}.json"), "w") as f:
             json.dump(result, f, indent=1)
     else:

@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 COLORS = {"baseline": "tab:gray", "ps_fixed": "tab:blue", "ps_adaptive": "tab:orange",
-          "spo": "tab:green", "grpo": "tab:gray", "GRPO": "tab:blue", "lr": "tab:gray"}
+          "spo": "tab:green", "grpo": "tab:gray", "GRPO": "tab:blue", "lr": "tab:gray",
+          "GRPO+PS": "tab:orange", "revisit": "tab:purple"}
 
 
 def arm_label(arm: str, seeds: int) -> str:
