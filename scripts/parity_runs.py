@@ -60,12 +60,15 @@ def train(workdir: str, config: str, sets: list[str], steps: int) -> dict:
 
 
 def compare(one: dict, other: dict) -> dict:
-    steps = sorted(set(one["rows"]) | set(other["rows"]))
-    diffs = [abs(one["rows"].get(s, {}).get(k, float("nan"))
-                 - other["rows"].get(s, {}).get(k, float("nan")))
-             for s in steps for k in set(one["rows"].get(s, {})) | set(other["rows"].get(s, {}))]
+    """The largest difference of a metric both runs logged at a step, and the (step, key)
+    pairs only one of them logged."""
+    a, b = one["rows"], other["rows"]
+    pairs = {(s, k) for rows in (a, b) for s, row in rows.items() for k in row}
+    both = sorted(p for p in pairs if p[1] in a.get(p[0], {}) and p[1] in b.get(p[0], {}))
+    diffs = [abs(a[s][k] - b[s][k]) for s, k in both]
     return {"max_abs_diff": max(diffs) if diffs else None,
-            "rows_identical": one["rows"] == other["rows"],
+            "logged_by_one_only": [list(p) for p in sorted(pairs.difference(both))],
+            "rows_identical": a == b,
             "train_state_equal": one["train_state"] == other["train_state"],
             "host_state_equal": one["host_state"] == other["host_state"]}
 
