@@ -91,7 +91,8 @@ ARM_OPTIONS = {"ps_lr2e4": "", "revisit_lr2e4": "revisit,"}
 SETS.update(dict.fromkeys(ARM_OPTIONS, SETS["grpo_lr2e4"]))
 SETTINGS = {"decide": Setting("decide", "decision", "grpo", 4),
             "budget": Setting("budget", "budget", "grpo_lr2e4", 4),
-            "budget0": Setting("budget0", "budget0", "grpo_lr2e4", 0)}
+            "budget0": Setting("budget0", "budget0", "grpo_lr2e4", 0),
+            "budget0_whole": Setting("budget0,whole", "budget0_whole", "grpo_lr2e4", 0)}
 CRITERIA = dict(seeds=2, steps=24, tasks_per_step=8, group_size=8, window=(13, 24),
                 min_diff=0.05, ci=0.95, n_boot=2000)
 KEY = "rollout/fresh_pass_rate"

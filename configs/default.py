@@ -19,7 +19,8 @@ skewed tasks re-run from the start instead of from a prefix), decide (the decisi
 family: the operator of a one-line function read from the expected value, the line edited
 by number; see `decide` below), budget (the decision family under a step budget that
 half of the demonstrated ways of working exceed; see `budget` below), budget0 (the same
-budget over difficulty 0, where the direct way is one the policy can carry out).
+budget over difficulty 0, where the direct way is one the policy can carry out),
+whole (with budget0: a 2048-token context, so that every demonstration renders whole).
 """
 
 import os
@@ -30,7 +31,7 @@ from configs import common
 
 OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, server=False, seed=0,
                steps=0, graded=False, revisit=False, decide=False, budget=False,
-               budget0=False)
+               budget0=False, whole=False)
 # The project's SGLang-protocol server on its CPU engine, launched like SGLang; it imports
 # this repository, which a launched server has off its sys.path unless its env says so.
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -158,6 +159,8 @@ def _options(c, arg) -> None:
         budget(c)
     if arg.budget0:
         budget0(c)
+    if arg.whole:
+        whole(c)
     if arg.revisit:
         c.ps.revisit = True
     if arg.spo:
@@ -264,3 +267,13 @@ def budget0(c) -> None:
     c.rollout.temperature = 0.4
     c.sft.update(explore_share=0.75, max_steps=6)
     c.rollout.max_steps = 3
+
+
+# budget0's exploring demonstrations fill the 1024-token context with the test runs and
+# file views they observe (24 of 48 rendered alone were cut there, at 853-1024 tokens,
+# 11 of them unsolved): a 2048-token context and row bucket render every one whole, so
+# that the warm start is made from correct demonstrations only.
+def whole(c) -> None:
+    c.rollout.max_context = 2048
+    c.engine.max_len = 2048
+    c.learner.row_buckets = (1024, 2048)

@@ -84,6 +84,7 @@ CHANGES = {
     "budget0": {"env.difficulties", "sft.imperfect_share", "rollout.temperature",
                 "learner.temperature", "sft.explore_share", "sft.max_steps",
                 "rollout.max_steps"},
+    "whole": {"rollout.max_context", "engine.max_len", "learner.row_buckets"},
     "server": {"engine.kind", "engine.sglang.command", "engine.sglang.env",
                "engine.sglang.export_dtype",
                "engine.sglang.health_timeout_s", "engine.sglang.host_gpus",
