@@ -117,7 +117,8 @@ def test_placement_spreads_waits_for_a_slot_and_keeps_exception_types(cluster):
 
 def test_local_backend_over_the_nodes(cluster, monkeypatch):
     _, nodes, _, _ = cluster
-    monkeypatch.setattr(env.sandbox.cluster, "IDLE_SLOT_S", 3.0)
+    # Long enough that no kept slot expires before the reuse is checked on a loaded machine.
+    monkeypatch.setattr(env.sandbox.cluster, "IDLE_SLOT_S", 10.0)
     factory = RayFactory("local", wait_s=120)
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -131,13 +132,13 @@ def test_local_backend_over_the_nodes(cluster, monkeypatch):
             sandbox.close()
         # The freed slots stay with the factory for its next sandboxes (no new placement
         # group), and go back to the cluster once idle IDLE_SLOT_S.
-        groups = len(placement_group_table())
+        groups = set(placement_group_table())
         assert factory.metrics()["env/slots_kept"] == 8
         again = factory.create(repo_files=FILES)
-        assert again.node == sandboxes[-1].node and len(placement_group_table()) == groups
+        assert again.node == sandboxes[-1].node and set(placement_group_table()) <= groups
         assert factory.metrics()["env/slots_kept"] == 7
         again.close()
-        wait_for(lambda: factory.metrics()["env/slots_free"] == 8, timeout=30)
+        wait_for(lambda: factory.metrics()["env/slots_free"] == 8, timeout=60)
         assert factory.metrics()["env/slots_kept"] == 0
         # Sandboxes made without a total memory bound are counted on their nodes and
         # reported by the trainer's factory, as this machine's own factory counts them.
