@@ -11,13 +11,12 @@ has one, `create` waits (up to `wait_s`, then SandboxError naming the cluster's
 slots). A closed sandbox's slot stays with the factory for its next `create` (no
 round trip to Ray's scheduler) unless a `create` is waiting for one or it has been
 idle IDLE_SLOT_S; then it goes back to the cluster. The sandbox itself lives in its
-node's host: one threaded SandboxHost actor
-per node and factory, serving every sandbox of the factory on that node. (An actor per
-sandbox costs a Ray worker process per sandbox: ~50 MiB each, and seconds to start on
-a loaded machine; one per node costs ~50 MiB for all, for the same ~1.4 ms per call:
-bench/scaleout.py.)
+node's host: one threaded SandboxHost actor per node and factory, serving every sandbox
+of the factory on that node. (An actor per sandbox costs a Ray worker process per
+sandbox: ~55 MiB each, and seconds to start on a loaded machine; one per node costs
+~26-31 MiB per sandbox it serves, for the same ~1.5 ms per call: bench/scaleout.py.)
 
-Failures: when a node (or its host) dies, every call of its sandboxes raises
+Failures: when a node (or its host) dies, every call of its sandboxes raises HostLost, a
 SandboxError (an env_error for their episodes, never a reward). An exception raised
 inside a sandbox (FileNotFoundError, ValueError, PatchTooLarge, ...) reaches the caller
 with its own type.
