@@ -262,37 +262,30 @@ def _renamed(d: dict, names: dict[str, str], **extra) -> dict:
 
 
 def compare_arms(root: str, seeds: Sequence[int], grpo: str, arms: Sequence[str]) -> dict:
-    """Each arm against `grpo` on the seeds both ran, paired by seed (the same tasks at
-    every step): mixed-outcome groups per step (solve_partial) as a ratio with a
-    seed-paired CI, its prefix groups' pass rate, the fresh pass rate's paired difference
-    over the gate's window, and the steps each needs to GRPO's fitted target (the
-    metrics of bench.seed_claims)."""
-    def runs(arm):
-        paths = {s: os.path.join(root, f"seed{s}", arm) for s in seeds}
-        return {s: p for s, p in paths.items()
-                if os.path.exists(os.path.join(p, "metrics.jsonl"))}
+    """Each arm against `grpo` on the seeds both finished, paired by seed (the same tasks
+    at every step): the metrics of bench.seed_claims (`_against`)."""
+    done = lambda arm: {s for s in seeds if os.path.exists(os.path.join(
+        root, f"seed{s}", arm, "metrics.jsonl"))}
+    return {"grpo_arm": grpo, **{arm: _against(root, sorted(done(arm) & done(grpo)), grpo, arm)
+                                 for arm in arms}}
 
-    base = runs(grpo)
-    out = {"grpo_arm": grpo}
-    for arm in arms:
-        both = sorted(set(runs(arm)) & set(base))
-        recs = {name: {s: mc.group_records(os.path.join(root, f"seed{s}", run)) for s in both}
-                for name, run in (("grpo", grpo), (arm, arm))}
-        curves = {name: [ex.rl_curve(ex.read_metrics(os.path.join(root, f"seed{s}", run)),
-                                     KEY) for s in both] for name, run in (("grpo", grpo),
-                                                                           (arm, arm))}
-        out[arm] = {"seeds": both, **mc.prefix_figures(recs[arm]),
-                    "solve_partial": mc.partial_figures(recs, arm),
-                    "fresh_window": [_renamed(paired(_curve(root, s, arm), _curve(root, s, grpo)),
-                                              {"grpo": arm, "lr0": grpo}, seed=s)
-                                     for s in both],
-                    "steps_to_target": sc.steps_ratio(curves["grpo"], curves[arm],
-                                                      at=CRITERIA["steps"]),
-                    "wall_s": {name: [sc._read_json(os.path.join(root, f"seed{s}", run,
-                                                                 "run.json")).get("wall_s")
-                                      for s in both]
-                               for name, run in (("grpo", grpo), (arm, arm))}}
-    return out
+
+def _against(root: str, seeds: Sequence[int], grpo: str, arm: str) -> dict:
+    """Mixed-outcome groups per step (solve_partial) as a ratio with a seed-paired CI,
+    the arm's prefix groups' pass rate, the fresh pass rate's paired difference over the
+    gate's window, the steps each needs to GRPO's fitted target, and wall times."""
+    run = lambda s, a: os.path.join(root, f"seed{s}", a)
+    pair = (("grpo", grpo), (arm, arm))
+    recs = {name: {s: mc.group_records(run(s, a)) for s in seeds} for name, a in pair}
+    curves = lambda a: [ex.rl_curve(ex.read_metrics(run(s, a)), KEY) for s in seeds]
+    walls = lambda a: [sc._read_json(os.path.join(run(s, a), "run.json")).get("wall_s")
+                       for s in seeds]
+    fresh = [_renamed(paired(_curve(root, s, arm), _curve(root, s, grpo)),
+                      {"grpo": arm, "lr0": grpo}, seed=s) for s in seeds]
+    return {"seeds": list(seeds), **mc.prefix_figures(recs[arm]),
+            "solve_partial": mc.partial_figures(recs, arm), "fresh_window": fresh,
+            "steps_to_target": sc.steps_ratio(curves(grpo), curves(arm), at=CRITERIA["steps"]),
+            "wall_s": {name: walls(a) for name, a in pair}}
 
 
 def main(argv=None) -> dict | None:
