@@ -263,7 +263,6 @@ class RayFactory(SandboxFactory):
         """(a slot, whether it was kept from a closed sandbox): a kept one if any, else one
         Ray's scheduler places on a node with a free slot."""
         with self._lock:
-            self._release_idle(time.monotonic() - IDLE_SLOT_S)
             if self._idle:
                 return self._idle.pop(), True
             self._waiting += 1
@@ -296,9 +295,13 @@ class RayFactory(SandboxFactory):
                 return
             self._idle.append(slot._replace(idle_since=time.monotonic()))
             if self._expiry is None:
-                self._expiry = threading.Timer(IDLE_SLOT_S, self._expire)
-                self._expiry.daemon = True
-                self._expiry.start()
+                self._arm_expiry(IDLE_SLOT_S)
+
+    def _arm_expiry(self, delay: float) -> None:
+        """Runs _expire in `delay` seconds (lock held)."""
+        self._expiry = threading.Timer(delay, self._expire)
+        self._expiry.daemon = True
+        self._expiry.start()
 
     def _expire(self) -> None:
         """Returns the slots kept IDLE_SLOT_S to the cluster; comes back while any is kept."""
@@ -308,10 +311,8 @@ class RayFactory(SandboxFactory):
                 return
             self._release_idle(time.monotonic() - IDLE_SLOT_S)
             if self._idle:
-                wait = self._idle[0].idle_since + IDLE_SLOT_S - time.monotonic()
-                self._expiry = threading.Timer(max(wait, 0.01), self._expire)
-                self._expiry.daemon = True
-                self._expiry.start()
+                self._arm_expiry(max(self._idle[0].idle_since + IDLE_SLOT_S - time.monotonic(),
+                                     0.01))
 
     def _release_idle(self, before: float) -> None:
         """Returns the slots kept since before `before` to the cluster (lock held)."""
