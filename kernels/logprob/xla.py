@@ -45,11 +45,16 @@ def logits(h_rows: jax.Array, w_cols: jax.Array, inv_t: float) -> jax.Array:
     return jnp.dot(h_rows, w_cols, preferred_element_type=F32) * inv_t
 
 
+def _reads_transposed(dtype) -> bool:
+    """Whether weight_grad reads h from a transposed copy: in float32; in narrower dtypes
+    XLA:CPU cannot run the dot with the transpose folded in ("Unsupported element type
+    for DotThunk::Execute: BF16 x BF16 = F32"), so they keep the row contraction."""
+    return dtype == F32
+
+
 def weight_layout(h: jax.Array) -> jax.Array:
-    """h [N_pad, d] as weight_grad reads it for a whole pass: transposed once in float32;
-    as it is in narrower dtypes, whose dot XLA:CPU cannot run with the transpose folded
-    in ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32")."""
-    return h.T if h.dtype == F32 else h
+    """h [N_pad, d] as weight_grad reads it for a whole pass (transposed once, or as is)."""
+    return h.T if _reads_transposed(h.dtype) else h
 
 
 def weight_grad(h_pass: jax.Array, r0, row_block: int, dz: jax.Array) -> jax.Array:
@@ -59,7 +64,7 @@ def weight_grad(h_pass: jax.Array, r0, row_block: int, dz: jax.Array) -> jax.Arr
     leading (row) axis takes CPU dots about twice as long (3.9 s against 1.9 s of CPU at
     [4096, 512] x [4096, 32768]).
     """
-    if h_pass.dtype == F32:
+    if _reads_transposed(h_pass.dtype):
         h_rows_t = lax.dynamic_slice_in_dim(h_pass, r0, row_block, axis=1)
         return jnp.dot(h_rows_t, dz, preferred_element_type=F32)
     h_rows = lax.dynamic_slice_in_dim(h_pass, r0, row_block, axis=0)
