@@ -75,8 +75,8 @@ class Setting:
     def arms(self) -> dict[str, str]:
         """The gate's arms are the same config (Prefix Sampling off), only their `--set`s
         differ; the method arms turn Prefix Sampling on (ARM_OPTIONS)."""
-        spec = f"configs/default.py:{self.option},{{}}seed={{{{seed}}}}"
-        return {arm: spec.format(ARM_OPTIONS.get(arm, "baseline,")) for arm in SETS}
+        return {arm: f"configs/default.py:{self.option},{ARM_OPTIONS.get(arm, 'baseline,')}"
+                     "seed={seed}" for arm in SETS}
 
 
 # The registered GRPO arm is the default's learning rate (5e-5); "grpo_lr2e4" is the second
