@@ -185,7 +185,7 @@ class Episode:
                 observation, finished, changed = result.observation, result.done, result.changed
             # Read-only calls (view, search, finish, rejected calls) keep the last patch.
             if changed or not self.steps:
-                patch, unpatched = self.sandbox.patch(), self.sandbox.unpatched()
+                patch, unpatched = self.sandbox.snapshot()
             else:
                 patch, unpatched = self.steps[-1].patch, self.steps[-1].unpatched
         except Exception as e:  # noqa: BLE001 - whatever broke, it is no task outcome

@@ -293,7 +293,7 @@ class Agent:
                                              test_timeout=self.cfg.test_timeout_s,
                                              grading=self.cfg.grading)
         kwargs = {"grades": self.grades if self.cfg.grade_cache else None,
-                  "grader": functools.partial(self.pool.exchange, sandbox)}
+                  "grader": self.pool.grader(sandbox)}
         if self.latency is not None:
             kwargs["call_delay"] = functools.partial(self.latency.sleep, job.task.instance_id,
                                                      job.seed)

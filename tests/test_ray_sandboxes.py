@@ -24,10 +24,12 @@ from sandbox_backends import ensure_image
 
 import env.sandbox.cluster
 from env.episode import Episode
+from env.grading import grade_patch
 from env.miniswe import expert_demo, generate_tasks
 from env.sandbox import SandboxError, SandboxFactory
 from env.sandbox.cluster import SLOT, RayFactory
 from env.sandbox.docker import OWNER_LABEL, docker_host, owner_identity
+from env.sandbox.pool import SandboxPool
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECOND = os.path.join(ROOT, "scripts", "start_second_dockerd.sh")
@@ -147,6 +149,20 @@ def test_local_backend_over_the_nodes(cluster, monkeypatch):
             direct.create(repo_files=FILES).close()
         assert factory.metrics()["env/no_memory_cgroup"] == direct.metrics()[
             "env/no_memory_cgroup"]
+        # Fresh grading runs on a node in one call (the host's own grade_patch), with the
+        # grades this machine's sandboxes give, and gives its slot back.
+        task = generate_tasks(1, seed=3)[0]
+        episode_sandbox = factory(task)
+        monkeypatch.setattr(factory, "create", lambda **_: pytest.fail("graded from here"))
+        for patch, reward in ((task.gold_patch, 1.0), ("", 0.0)):
+            graded, here = (grade_patch(task, patch, f, 60) for f in (factory, direct))
+            assert (graded.reward, graded.error) == (here.reward, here.error) == (reward, "")
+        # In a rollout: the episode's sandbox closes first, its pool slot kept for grading.
+        pool = SandboxPool(factory, 1)
+        assert grade_patch(task, task.gold_patch, pool.grader(episode_sandbox), 60).reward == 1
+        with pytest.raises(SandboxError, match="closed"):
+            episode_sandbox.run("true")
+        assert factory.metrics()["env/slots_free"] + factory.metrics()["env/slots_kept"] == 8
     finally:
         factory.close()
 

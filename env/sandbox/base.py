@@ -119,6 +119,11 @@ class Sandbox(abc.ABC):
             raise SandboxError(f"listing the paths a patch leaves out failed: {result.output}")
         return result.output.splitlines()
 
+    def snapshot(self) -> tuple[str, list[str]]:
+        """(patch(), unpatched()): what a step records of the tree, in one call where the
+        sandbox is remote."""
+        return self.patch(), self.unpatched()
+
     @abc.abstractmethod
     def apply_patch(self, patch: str) -> None:
         """Applies a patch produced by `patch()`; raises ValueError if it does not apply."""

@@ -47,8 +47,10 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from env.grading import Grade, grade_patch
 from env.sandbox import base, docker, local
 from env.sandbox.factory import FACTORY_LABEL, SandboxFactory
+from env.tasks import Task
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +93,9 @@ class SandboxHost:
 
     def create(self, key: int, spec: dict[str, Any]) -> None:
         self.live[key] = self.factory.create(**spec)
+
+    def grade(self, task: Task, patch: str, timeout: float) -> Grade:
+        return grade_patch(task, patch, self.factory, timeout)
 
     def call(self, key: int, method: str, *args: Any) -> Any:
         sandbox = self.live.get(key)
@@ -163,6 +168,9 @@ class RaySandbox(base.Sandbox):
 
     def apply_patch(self, patch: str) -> None:
         self._call("apply_patch", patch)
+
+    def snapshot(self) -> tuple[str, list[str]]:
+        return self._call("snapshot")
 
     def real_root(self) -> str:
         return self._call("real_root")
@@ -238,15 +246,32 @@ class RayFactory(SandboxFactory):
         return host
 
     def create(self, **spec: Any) -> RaySandbox:
-        """A sandbox on the node Ray gives a free slot (waits up to `wait_s` for one). A
-        kept slot whose node is gone is given back, and another one taken."""
+        """A sandbox on the node Ray gives a free slot (waits up to `wait_s` for one)."""
+        key = next(self._keys)
+        _, host, slot = self._on_a_slot(lambda host: host.create.remote(key, spec),
+                                        "creating a sandbox")
+        with self._lock:
+            self._live[slot.node] = self._live.get(slot.node, 0) + 1
+        return RaySandbox(host, key, slot, self._closed)
+
+    def grade_patch(self, task: Task, patch: str, timeout: float) -> Grade:
+        """env.grading.grade_patch, run by the host of a node with a free slot in a new
+        sandbox there: one round trip, where grading through a RaySandbox makes one per
+        command (the grader's sandbox holds the slot while it grades)."""
+        result, _, slot = self._on_a_slot(
+            lambda host: host.grade.remote(task, patch, timeout), "grading a patch")
+        self._give_back(slot)
+        return result
+
+    def _on_a_slot(self, submit, what: str) -> tuple[Any, Any, Slot]:
+        """(the value of submit(host), host, slot) on the host of a free slot's node (see
+        create); on failure the slot goes back. A kept slot whose node is gone is removed,
+        and another one taken."""
         while True:
             slot, kept = self._take_slot()
-            key = next(self._keys)
             try:
                 host = self._host(slot.node)
-                what = f"creating a sandbox on node {slot.node[:12]}"
-                _ray_call(host.create.remote(key, spec), what)
+                return _ray_call(submit(host), f"{what} on node {slot.node[:12]}"), host, slot
             except HostLost:
                 remove_placement_group(slot.group)
                 if kept:
@@ -255,9 +280,6 @@ class RayFactory(SandboxFactory):
             except BaseException:
                 self._give_back(slot)
                 raise
-            with self._lock:
-                self._live[slot.node] = self._live.get(slot.node, 0) + 1
-            return RaySandbox(host, key, slot, self._closed)
 
     def _take_slot(self) -> tuple[Slot, bool]:
         """(a slot, whether it was kept from a closed sandbox): a kept one if any, else one

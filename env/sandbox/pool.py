@@ -144,6 +144,14 @@ class SandboxPool:
         finally:
             self._discard(sandbox)
 
+    def grader(self, old: Sandbox):
+        """Fresh grading's opener in the slot of `old` (exchange); where the factory
+        grades near its sandboxes (RayFactory.grade_patch), one that closes `old` and
+        has the factory grade (env.grading.grade_patch)."""
+        if hasattr(self.factory, "grade_patch"):
+            return _GradeInSlot(self, old)
+        return functools.partial(self.exchange, old)
+
     def _free_slot(self, loop: asyncio.AbstractEventLoop,
                    cleanup: Callable[[concurrent.futures.Future], None] | None,
                    done: concurrent.futures.Future) -> None:
@@ -224,3 +232,14 @@ def _register(pool: SandboxPool) -> None:
             and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN):
         _HOOKS["sigterm"] = signal.signal(signal.SIGTERM, _on_sigterm)
     _POOLS.add(pool)
+
+
+class _GradeInSlot:
+    """SandboxPool.grader's opener for a factory that grades near its sandboxes."""
+
+    def __init__(self, pool: SandboxPool, old: Sandbox):
+        self.pool, self.old = pool, old
+
+    def grade_patch(self, task, patch: str, timeout: float):
+        self.pool._discard(self.old)
+        return self.pool.factory.grade_patch(task, patch, timeout)
