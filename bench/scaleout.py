@@ -1,6 +1,6 @@
 """Past one machine: sandboxes placed by Ray, episodes kept on one SGLang server.
 
-    python -m bench.scaleout [--episodes 48] [--concurrency 4] [--sessions 8] [--turns 4]
+    python -m bench.scaleout [--episodes 96] [--concurrency 4] [--sessions 8] [--turns 4]
 
 Sandboxes (local backend, mini-SWE expert episodes, env.sandbox.cluster): episodes/s
 with today's local placement and through Ray on one node of a loopback cluster, in
@@ -236,7 +236,7 @@ def serving(sessions: int, turns: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--episodes", type=int, default=48)
+    parser.add_argument("--episodes", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=4)
