@@ -157,7 +157,7 @@ def restore_params(model, config, mesh, run_dir: str) -> int:
 
 
 async def run(args) -> dict:
-    config = load_config("configs/default.py")
+    config = load_config("configs/default.py:planted")
     batch_tasks = args.tasks or config.batch_tasks
     group_size = args.group_size or config.group_size
     env_cfg = EnvConfig.from_section(config.env)

@@ -30,11 +30,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # arm name -> config spec (`{seed}` is filled in)
 ARMS = {
-    "baseline": "configs/default.py:baseline,seed={seed}",   # GRPO + rejection sampling
-    "ps_fixed": "configs/default.py:seed={seed}",            # Prefix Sampling, fixed ratios
-    "ps_adaptive": "configs/default.py:adaptive,seed={seed}",
-    "spo": "configs/default.py:spo,seed={seed}",
+    "baseline": "configs/default.py:planted,baseline,seed={seed}",   # GRPO + rejection sampling
+    "ps_fixed": "configs/default.py:planted,seed={seed}",    # Prefix Sampling, fixed ratios
+    "ps_adaptive": "configs/default.py:planted,adaptive,seed={seed}",
+    "spo": "configs/default.py:planted,spo,seed={seed}",
 }
+# The warm start's config (and that of runs named otherwise, for their evaluations).
+WARM = "configs/default.py:planted,seed={seed}"
 
 
 def _train(config: str, workdir: str, sets: Sequence[str], log_path: str,
@@ -68,7 +70,7 @@ def _record(workdir: str) -> dict | None:
 
 
 def warm_start(root: str, seed: int, sets: Sequence[str] = (),
-               config: str = "configs/default.py:seed={seed}") -> str:
+               config: str = WARM) -> str:
     """The seed's SFT warm start directory, made if missing (`config`: its spec, `{seed}`
     filled in)."""
     workdir = os.path.join(root, f"seed{seed}", "sft")
@@ -99,7 +101,7 @@ def truncate_to_step0(workdir: str) -> None:
 
 
 def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = (),
-            arms: dict[str, str] = ARMS, warm: str = "configs/default.py:seed={seed}",
+            arms: dict[str, str] = ARMS, warm: str = WARM,
             timeout_s: float | None = None) -> str:
     """Runs (or resumes, or skips when finished) one arm of one seed; returns its workdir.
     arms: arm name -> config spec; warm: the warm start's spec (`{seed}` filled in);
@@ -124,14 +126,15 @@ def run_arm(root: str, arm: str, seed: int, steps: int, sets: Sequence[str] = ()
     return workdir
 
 
-def final_eval(root: str, seed: int, arm: str, eval_tasks: int) -> dict:
+def final_eval(root: str, seed: int, arm: str, eval_tasks: int, config: str = WARM) -> dict:
     """The last checkpoint of `arm` ("sft" for the warm start) evaluated on a held-out set
     generated with env.eval_tasks=`eval_tasks` (train.py --eval_only), larger than the
-    one the runs evaluate on along the way; cached in the workdir."""
+    one the runs evaluate on along the way; cached in the workdir. `config`: that of an
+    arm not in ARMS ({seed} filled in)."""
     workdir = os.path.join(root, f"seed{seed}", arm)
     path = os.path.join(workdir, f"final_eval_{eval_tasks}.json")
     if not _fresh(path, workdir):
-        spec = ARMS[arm].format(seed=seed) if arm in ARMS else f"configs/default.py:seed={seed}"
+        spec = ARMS.get(arm, config).format(seed=seed)
         cmd = [sys.executable, "train.py", "--config", spec, "--workdir", workdir, "--eval_only",
                "--set", f"env.eval_tasks={eval_tasks}", "--eval_out", path]
         with open(os.path.join(workdir, "log.txt"), "a") as log:

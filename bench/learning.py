@@ -81,13 +81,13 @@ def _rewards(path: str) -> tuple[list[str], np.ndarray]:
 
 
 def final_rewards(root: str, seeds: Sequence[int], arm: str, eval_tasks: int,
-                  run: bool) -> list[tuple[list[str], np.ndarray]]:
+                  run: bool, config: str = experiments.WARM) -> list[tuple[list[str], np.ndarray]]:
     """Per seed, (task ids, rewards) of `arm`'s last checkpoint ("sft": the warm start)
     on the large held-out set, sorted by task id."""
     out = []
     for seed in seeds:
         if run:
-            experiments.final_eval(root, seed, arm, eval_tasks)
+            experiments.final_eval(root, seed, arm, eval_tasks, config)
         out.append(_rewards(os.path.join(root, f"seed{seed}", arm,
                                          f"final_eval_{eval_tasks}.json")))
     return out
@@ -169,17 +169,20 @@ def main(argv=None) -> dict:
     p.add_argument("--arm", default="ps_fixed")
     p.add_argument("--baseline", default="baseline")
     p.add_argument("--run", action="store_true", help="make missing runs and evals")
+    p.add_argument("--config", default=experiments.WARM,
+                   help="config of the runs whose arm is not in bench.experiments.ARMS, for "
+                        "their evaluations ({seed} is filled in)")
     p.add_argument("--out", default=RESULTS, help="folder of learning.json and learning.png")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every run made with --run (repeatable)")
     args = p.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    args.steps = args.steps or common.load_config("configs/default.py").total_steps
+    args.steps = args.steps or common.load_config(args.config.format(seed=0)).total_steps
     if args.run:
         for seed in seeds:
             for arm in (args.arm, args.baseline):
                 experiments.run_arm(args.root, arm, seed, args.steps, args.set)
-    runs = {arm: final_rewards(args.root, seeds, arm, args.eval_tasks, args.run)
+    runs = {arm: final_rewards(args.root, seeds, arm, args.eval_tasks, args.run, args.config)
             for arm in ("sft", args.arm, args.baseline)}
     warm, final = paired(runs["sft"], runs[args.arm], f"sft vs {args.arm}")
     base, final = paired(runs[args.baseline], runs[args.arm], f"{args.baseline} vs {args.arm}")

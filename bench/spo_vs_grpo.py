@@ -22,7 +22,7 @@ import numpy as np
 from bench import experiments as ex
 from bench.plot import arm_label, band_plot
 
-ROLLOUTS_PER_STEP = 48  # configs/default.py: 6 x 8 for GRPO, 48 x 1 for SPO
+ROLLOUTS_PER_STEP = 48  # configs/default.py:planted: 6 x 8 for GRPO, 48 x 1 for SPO
 
 
 def arm_curves(workdir: str) -> dict:

@@ -1,8 +1,15 @@
-"""The embedded default: a tiny Qwen3 learns to fix generated mini-SWE bugs on a CPU.
+"""The embedded default: a tiny Qwen3 learns how to work on generated mini-SWE bugs on a CPU.
 
 Everything runs in one process: an embedded JAX sampler, local sandboxes, a BPE
 tokenizer trained on the generated tasks, an SFT warm start on scripted expert
 demonstrations, then RL with GRPO + rejection sampling and Prefix Sampling.
+
+The default task family is `budget0` with `whole` (see `budget0` below): a step budget
+of 3 tool calls under which only the direct way of working (view the file, edit) reaches
+its fix, a warm start on correct demonstrations of which three in four explore first;
+RL learns from the reward to work directly (results/gate.json, "budget0_whole"). It
+applies unless a family is named (planted, graded, decide, budget, budget0) or the run
+is a smoke run (which keeps `planted`, the shortest).
 
     python train.py --workdir runs/default
     python train.py --config configs/default.py:smoke --workdir /tmp/smoke
@@ -10,8 +17,10 @@ demonstrations, then RL with GRPO + rejection sampling and Prefix Sampling.
     python train.py --config configs/default.py:spo --workdir runs/spo         # SPO
     python train.py --config configs/default.py:seed=1,adaptive --workdir runs/ps_adaptive
 
-Options after the colon (`OPTIONS`): smoke, baseline (Prefix Sampling off), spo,
-adaptive (adaptive prefix controller), server (sample through a launched
+Options after the colon (`OPTIONS`): planted (the former default, kept as a positive
+control: one-bug tasks whose demonstrations carry a planted flaw, finishing before the
+edit or a wrong edit, in 60% of them, which RL unlearns), smoke, baseline (Prefix
+Sampling off), spo, adaptive (adaptive prefix controller), server (sample through a launched
 `inference.server` over SGLang's protocol, as on a GPU pod), seed=N, steps=N,
 graded (the graded task family: two-bug tasks mixed with one-bug ones, a warm start on
 correct demonstrations only; see `graded` below), revisit (the Prefix Sampling control:
@@ -31,7 +40,9 @@ from configs import common
 
 OPTIONS = dict(smoke=False, baseline=False, spo=False, adaptive=False, server=False, seed=0,
                steps=0, graded=False, revisit=False, decide=False, budget=False,
-               budget0=False, whole=False)
+               budget0=False, whole=False, planted=False)
+# The options that name a task family; with none of them (and no smoke), the default's.
+FAMILIES = ("planted", "graded", "decide", "budget", "budget0")
 # The project's SGLang-protocol server on its CPU engine, launched like SGLang; it imports
 # this repository, which a launched server has off its sys.path unless its env says so.
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +57,7 @@ def get_config(arg=None):
     arg = common.parse_arg(arg, **OPTIONS)
     c = ml_collections.ConfigDict()
     c.seed = arg.seed
+    # The values below are the planted family's (default_family sets the default's).
     # RL steps. 260 held-out tasks, 3 seeds (docs/RESULTS.md): the warm start 0.210,
     # step 36 0.397 (with 50% imperfect demonstrations, 72 steps ended lower than 36).
     c.total_steps = 36
@@ -151,6 +163,8 @@ def _schedule(c) -> None:
 
 def _options(c, arg) -> None:
     """The options after the colon (`OPTIONS`), in the order they apply."""
+    if not arg.smoke and not any(arg[name] for name in FAMILIES):
+        default_family(c)
     if arg.graded:
         graded(c)
     if arg.decide or arg.budget:
@@ -267,6 +281,18 @@ def budget0(c) -> None:
     c.rollout.temperature = 0.4
     c.sft.update(explore_share=0.75, max_steps=6)
     c.rollout.max_steps = 3
+
+
+# The default: budget0 rendered whole, trained at the rate, batch and length its gate
+# passed with (results/gate.json "budget0_whole": GRPO at lr 2e-4 against lr 0, fresh pass
+# rate over steps 13-24 +0.30 and +0.33 in two seeds; at 5e-5, the decision family's
+# first try, the rollouts matched lr 0's).
+def default_family(c) -> None:
+    budget0(c)
+    whole(c)
+    c.learner.optim.lr = 2e-4
+    c.batch_tasks = 8
+    c.total_steps = 24
 
 
 # budget0's exploring demonstrations fill the 1024-token context with the test runs and

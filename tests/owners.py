@@ -1,5 +1,6 @@
 """Config owners for tests (they have no defaults of their own): the default config's
-section with the values a test sets."""
+section, in its planted family (the one-bug tasks the tests were written for), with the
+values a test sets."""
 
 import dataclasses
 
@@ -14,10 +15,11 @@ from rl.prefix import PrefixConfig
 from rl.rollout import RolloutConfig
 from rl.tracker import SPOConfig
 
-SECTION = default.get_config().rollout
+PLANTED = default.get_config("planted")
+SECTION = PLANTED.rollout
 # A client that gives up after 3 retries (tests count attempts), exports to a fresh
 # temporary directory.
-SGLANG = {**default.get_config().engine.sglang, "max_retries": 3, "export_dir": ""}
+SGLANG = {**PLANTED.engine.sglang, "max_retries": 3, "export_dir": ""}
 
 
 def rollout_config(**values) -> RolloutConfig:
@@ -49,7 +51,7 @@ def learner_config(optim=None, loss=None, **values) -> LearnerConfig:
     of their subsections' keys."""
     section = common.learner_defaults()
     return LearnerConfig.from_section({
-        **section, "row_buckets": default.get_config().learner.row_buckets, **values,
+        **section, "row_buckets": PLANTED.learner.row_buckets, **values,
         "optim": {**section.optim, **(optim or {})}, "loss": {**section.loss, **(loss or {})}})
 
 
@@ -66,4 +68,4 @@ def algo_config(ps=None, spo=None, **values) -> AlgoConfig:
 
 def env_config(**values) -> EnvConfig:
     """The default config's env section with the values a test sets."""
-    return EnvConfig.from_section({**default.get_config().env, **values})
+    return EnvConfig.from_section({**PLANTED.env, **values})

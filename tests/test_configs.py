@@ -36,8 +36,10 @@ PRESET = {"grpo_swe.py": "qwen3-14b", "ps_qwen3_14b_swe.py": "qwen3-14b",
 # Each recipe's key values, from its docstring and the seed it cites.
 RECIPE = {
     "default.py": {"algo": "grpo", "ps.enabled": True, "ps.remaining_ratio": 0.75,
-                   "rollout.temperature": 0.5, "learner.temperature": 0.5,
-                   "learner.optim.lr": 5e-5, "learner.loss.eps_high": 0.28},
+                   "rollout.temperature": 0.4, "learner.temperature": 0.4,
+                   "learner.optim.lr": 2e-4, "learner.loss.eps_high": 0.28,
+                   "env.difficulties": (0,), "rollout.max_steps": 3, "sft.explore_share": 0.75,
+                   "rollout.max_context": 2048, "batch_tasks": 8, "total_steps": 24},
     "grpo_swe.py": {"algo": "grpo", "advantage": "rloo", "batch_tasks": 64, "group_size": 8,
                     "rollout.max_steps": 50, "learner.loss.eps_high": 0.28,
                     "learner.loss.kl": "none", "ps.enabled": False, "reject_degenerate": True},
@@ -62,29 +64,27 @@ ALT = {"seed": (3,), "steps": (3,), "model": ("qwen3-0.6b",), "model_path": ("/m
 # Options given together with another: 2 servers x tp 4 would leave the learner no GPU.
 COMPANION = {("ps_qwen3_32b_swe.py", "servers"): ",tp=2",
              ("spo_qwen3_8b.py", "tp"): ",servers=2"}
+# default.py's default family (budget0 rendered whole, at its gate's rate): the keys an
+# option that names another family (or smoke, which keeps the planted one) may change.
+FAMILY = {"env.difficulties", "sft.imperfect_share", "rollout.temperature",
+          "learner.temperature", "sft.explore_share", "sft.max_steps", "rollout.max_steps",
+          "rollout.max_context", "engine.max_len", "learner.row_buckets",
+          "learner.optim.lr", "batch_tasks", "total_steps"}
 # The keys each option may change (with its companion); every other key keeps its value.
 CHANGES = {
-    "smoke": {"batch_tasks", "ckpt_every", "env.eval_tasks", "env.train_tasks", "eval_every",
-              "group_size", "learner.row_buckets", "model.hidden_size",
-              "model.intermediate_size", "model.num_heads", "model.num_kv_heads",
-              "model.num_layers", "rollout.max_response_tokens", "rollout.max_steps",
-              "rollout.max_turn_tokens", "sft.batch_size", "sft.num_demos", "sft.steps",
-              "spo.in_flight", "tokenizer.bpe_vocab_size", "total_steps"},
+    "smoke": FAMILY | {"batch_tasks", "ckpt_every", "env.eval_tasks", "env.train_tasks",
+                       "eval_every", "group_size", "learner.row_buckets", "model.hidden_size",
+                       "model.intermediate_size", "model.num_heads", "model.num_kv_heads",
+                       "model.num_layers", "rollout.max_response_tokens", "rollout.max_steps",
+                       "rollout.max_turn_tokens", "sft.batch_size", "sft.num_demos",
+                       "sft.steps", "spo.in_flight", "tokenizer.bpe_vocab_size",
+                       "total_steps"},
+    "planted": FAMILY,
     "baseline": {"ps.enabled"}, "spo": {"algo", "batch_tasks", "group_size", "ps.enabled"},
     "adaptive": {"ps.adaptive"}, "seed": {"seed", "learner.seed"}, "steps": {"total_steps"},
-    "graded": {"env.difficulties", "sft.imperfect_share", "sft.steps", "rollout.max_steps",
-               "rollout.max_context", "engine.max_len", "learner.row_buckets",
-               "ps.remaining_ratio"},
+    "graded": FAMILY | {"sft.steps", "ps.remaining_ratio"},
     "revisit": {"ps.revisit"},
-    "decide": {"env.difficulties", "sft.imperfect_share", "rollout.temperature",
-               "learner.temperature"},
-    "budget": {"env.difficulties", "sft.imperfect_share", "rollout.temperature",
-               "learner.temperature", "sft.explore_share", "sft.max_steps",
-               "rollout.max_steps"},
-    "budget0": {"env.difficulties", "sft.imperfect_share", "rollout.temperature",
-                "learner.temperature", "sft.explore_share", "sft.max_steps",
-                "rollout.max_steps"},
-    "whole": {"rollout.max_context", "engine.max_len", "learner.row_buckets"},
+    "decide": FAMILY, "budget": FAMILY, "budget0": FAMILY,
     "server": {"engine.kind", "engine.sglang.command", "engine.sglang.env",
                "engine.sglang.export_dtype",
                "engine.sglang.health_timeout_s", "engine.sglang.host_gpus",
@@ -95,6 +95,8 @@ CHANGES = {
     "tp": {"engine.sglang.tp_size", "engine.sglang.ports"},
     "servers": {"engine.sglang.ports", "engine.sglang.tp_size"},
 }
+# Options that the file's own default already applies.
+SAME_AS_FILE = {("default.py", "whole")}  # (the default family is budget0 rendered whole)
 ARCHITECTURE = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "tie_word_embeddings")
 
@@ -172,7 +174,7 @@ def test_every_option_dry_runs_builds_its_preset_and_keeps_the_recipe(name, opti
     undeclared = sorted({k for k in base if base[k] != flat[k]} - changed)
     assert not undeclared, (f"{spec} changes keys its option does not declare in "
                             f"tests/test_configs.py CHANGES: {undeclared}")
-    if option is not None:
+    if option is not None and (name, option) not in SAME_AS_FILE:
         assert {k for k in base if base[k] != flat[k]}, f"{spec} changed nothing"
 
 
