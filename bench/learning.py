@@ -1,7 +1,10 @@
 """Does RL learn on the default? Warm start vs final checkpoint over seeds, with CIs.
 
     python -m bench.learning [--seeds 0,1,2] [--steps N] [--eval-tasks 400] [--run]
-                             [--set KEY=VALUE ...]
+                             [--set KEY=VALUE ...]      # the planted family's experiments
+    python -m bench.learning --root runs/budget0_whole --seeds 0,1 --arm ps_lr2e4 \
+        --baseline grpo_lr2e4 --config "configs/default.py:budget0,whole,seed={seed}"
+                                           # the default's runs (bench.decision_gate layout)
 
 For every seed, the warm start (`seed{S}/sft`) and the final checkpoints of the Prefix
 Sampling arm and the baseline arm (bench.experiments layout under --root) are
@@ -172,7 +175,8 @@ def main(argv=None) -> dict:
     p.add_argument("--config", default=experiments.WARM,
                    help="config of the runs whose arm is not in bench.experiments.ARMS, for "
                         "their evaluations ({seed} is filled in)")
-    p.add_argument("--out", default=RESULTS, help="folder of learning.json and learning.png")
+    p.add_argument("--out", default=RESULTS, help="folder of NAME.json and NAME.png")
+    p.add_argument("--name", default="learning", help="file name of the results (no suffix)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every run made with --run (repeatable)")
     args = p.parse_args(argv)
@@ -197,9 +201,9 @@ def main(argv=None) -> dict:
     arms = (args.arm, args.baseline)
     curves = {arm: curve(args.root, seeds, arm) for arm in arms}
     rollouts = {arm: rollout_curve(args.root, seeds, arm) for arm in arms}
-    figure = plot(os.path.join(args.out, "learning.png"), curves, rollouts, len(seeds))
+    figure = plot(os.path.join(args.out, f"{args.name}.png"), curves, rollouts, len(seeds))
     result["figure"] = os.path.relpath(figure, experiments.ROOT)  # (the repo moves)
-    with open(os.path.join(args.out, "learning.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump({**result, "curves": curves, "rollout_curves": rollouts}, f, indent=1)
     print(json.dumps(result))
     return result
