@@ -49,10 +49,7 @@ def run_episode(factory, task, grading: str = "fresh") -> str:
     demo = expert_demo(task)
     with Episode(factory, task, EpisodeOptions(grading=grading)) as episode:
         episode.reset()
-        for tool_call in demo.calls:
-            if episode.done:
-                break
-            episode.step(tool_call)
+        episode.play(demo.calls)
         reward = episode.reward()
         if episode.status != "finished" or reward != 1.0:
             return f"{task.instance_id}: {episode.status} reward={reward} {episode.error}"

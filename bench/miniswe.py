@@ -35,10 +35,7 @@ def run_demo(factory, task, demo, checks=None) -> list[str]:
         if episode.status == "env_error":
             return [f"env_error at reset: {episode.error}"]
         problems = checks(episode.sandbox, before=True) if checks else []
-        for tool_call in demo.calls:
-            if episode.done:
-                break
-            episode.step(tool_call)
+        episode.play(demo.calls)
         reward = episode.reward()
         demo_ok = episode.status == "finished" and reward == float(demo.correct)
         if not demo_ok:

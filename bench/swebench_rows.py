@@ -89,10 +89,7 @@ def run_case(factory, task: Task, actions: list[dict], grading: str = "fresh") -
     start = time.perf_counter()
     with Episode(factory, task, EpisodeOptions(grading=grading)) as episode:
         episode.reset()
-        for action in [*actions, {"name": "finish", "arguments": {}}]:
-            if episode.done:
-                break
-            episode.step(action)
+        episode.play([*actions, {"name": "finish", "arguments": {}}])
         reward = episode.reward()
         return {"reward": reward, "status": episode.status, "error": episode.error,
                 "log": log_summary(episode.test_output),

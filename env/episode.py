@@ -198,6 +198,14 @@ class Episode:
     def _budget_status(self) -> str:
         return "max_steps" if len(self.steps) >= self.options.max_steps else "running"
 
+    def play(self, actions) -> None:
+        """Steps through `actions` (a scripted episode: a demonstration's calls) until they
+        run out or the episode is done."""
+        for action in actions:
+            if self.done:
+                return
+            self.step(action)
+
     # ---- reward ------------------------------------------------------------------------------
 
     def reward(self) -> float | None:

@@ -243,8 +243,5 @@ def test_exploring_demo_solves_and_a_3_step_budget_ends_it_before_its_edit(reque
                                    (expert_demo(task), 3, ("max_steps", 1.0))):
             with Episode(factory, task, EpisodeOptions(max_steps=budget)) as episode:
                 episode.reset()
-                for call in demo.calls:
-                    if episode.done:
-                        break
-                    episode.step(call)
+                episode.play(demo.calls)
                 assert (episode.status, episode.reward()) == want, (task.instance_id, budget)
