@@ -23,6 +23,10 @@ from tests.owners import sglang_config
 from tests.test_server_client import CFG, tiny_model, two_servers
 
 SESSIONS, TURNS = 6, 3
+# Episodes in the spread check: the gateway hashes each routing key onto a ring of the two
+# servers (whose ports are new each run), so n keys all land on one server with
+# probability about 2**(1 - n): 3% for 6, 3e-5 for 16.
+SPREAD_SESSIONS = 16
 GENERATE = re.compile(r'"POST /generate HTTP/1.1" 200 .* routing_key=(\S+)')
 RELOAD = re.compile(r'"POST /update_weights_from_disk HTTP/1.1" 200')
 
@@ -100,12 +104,12 @@ def test_every_turn_of_an_episode_on_one_server(servers, gateway, mode):
     async def go():
         async with client_for(servers, gateway, mode) as client:
             return await asyncio.gather(*(episode(client, f"{prefix}{i}", TURNS, i)
-                                          for i in range(SESSIONS)))
+                                          for i in range(SPREAD_SESSIONS)))
 
     results = asyncio.run(go())
     assert all(len(r) == TURNS for r in results)
-    seen = turns_by_server(servers, prefix, SESSIONS * TURNS)
-    assert sorted(seen) == sorted(f"{prefix}{i}" for i in range(SESSIONS))
+    seen = turns_by_server(servers, prefix, SPREAD_SESSIONS * TURNS)
+    assert sorted(seen) == sorted(f"{prefix}{i}" for i in range(SPREAD_SESSIONS))
     for key, where in seen.items():  # one server, every turn once
         assert len(where) == 1 and sum(where.values()) == TURNS, (key, where)
     assert {i for where in seen.values() for i in where} == {0, 1}  # both servers serve
@@ -148,6 +152,8 @@ def test_failover_when_a_server_is_killed(servers, gateway, mode):
         async with client_for(servers, gateway, mode, **cfg) as client:
             first = await asyncio.gather(*(episode(client, f"{prefix}{i}", 1, i)
                                            for i in range(SESSIONS)))
+            # (the first turns' log lines written before the kill, which would lose them)
+            turns_by_server(servers, prefix, SESSIONS)
             os.killpg(servers[1].process.pid, signal.SIGKILL)
             rest = await asyncio.gather(*(episode(client, f"{prefix}{i}", TURNS, 100 + i)
                                           for i in range(SESSIONS)))
